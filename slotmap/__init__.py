@@ -1,0 +1,1 @@
+"""The `slotmap` command line: demo, explain, simulate, check, bench."""

@@ -1,0 +1,71 @@
+"""slotmap's reference: the exact semantics of a paged-KV engine's input pipeline, in NumPy.
+
+Read in pipeline order: types, errors, state, validate, batch, flatten, slots, kv_cache, attention, pool.
+"""
+
+from spec.attention import paged_attention
+from spec.errors import (
+    ALL_ERRORS,
+    BlockIdError,
+    BlockTableOverflowError,
+    DuplicateRequestError,
+    DuplicateSlotError,
+    InconsistentSchedulerOutputError,
+    MissingBlockError,
+    ModelLengthError,
+    NullBlockError,
+    PoolFullError,
+    ScheduleError,
+    TokenBudgetError,
+    TokenIdError,
+    UnknownRequestError,
+    UnknownTokenError,
+)
+from spec.kv_cache import write_kv
+from spec.pool import RequestStatePool
+from spec.protocol import Backend, StatePool
+from spec.types import (
+    NULL_BLOCK_ID,
+    PAD_SLOT_ID,
+    BatchInputs,
+    CachedRequest,
+    KVCacheGroup,
+    NewRequest,
+    PoolSnapshot,
+    RowSnapshot,
+    SchedulerOutput,
+    WorkerConfig,
+)
+
+__all__ = [
+    "ALL_ERRORS",
+    "NULL_BLOCK_ID",
+    "PAD_SLOT_ID",
+    "Backend",
+    "BatchInputs",
+    "BlockIdError",
+    "BlockTableOverflowError",
+    "CachedRequest",
+    "DuplicateRequestError",
+    "DuplicateSlotError",
+    "InconsistentSchedulerOutputError",
+    "KVCacheGroup",
+    "MissingBlockError",
+    "ModelLengthError",
+    "NewRequest",
+    "NullBlockError",
+    "PoolFullError",
+    "PoolSnapshot",
+    "RequestStatePool",
+    "RowSnapshot",
+    "ScheduleError",
+    "SchedulerOutput",
+    "StatePool",
+    "TokenBudgetError",
+    "TokenIdError",
+    "UnknownRequestError",
+    "UnknownTokenError",
+    "WorkerConfig",
+    "paged_attention",
+    "write_kv",
+]

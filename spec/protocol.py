@@ -1,0 +1,59 @@
+"""The interface every backend implements. mypy checks `spec` and `fast` against it (tests/typecheck_backends.py).
+
+Arrays are typed `Any`: NumPy in spec, torch tensors in fast; shapes and dtypes are in spec.types.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from spec.types import BatchInputs, PoolSnapshot, SchedulerOutput, WorkerConfig
+
+
+class StatePool(Protocol):
+    def apply(self, sched: SchedulerOutput) -> None: ...
+
+    def prepare(self, sched: SchedulerOutput, pad_to: int | None = None) -> BatchInputs: ...
+
+    def record_sampled(self, batch: BatchInputs, sampled_token_ids: Any) -> None: ...
+
+    def row_of(self, req_id: str) -> int: ...
+
+    def snapshot(self) -> PoolSnapshot: ...
+
+
+class PoolFactory(Protocol):
+    def __call__(self, config: WorkerConfig) -> StatePool: ...
+
+
+class WriteKV(Protocol):
+    def __call__(self, key_cache: Any, value_cache: Any, key: Any, value: Any, slot_mapping: Any) -> None: ...
+
+
+class PagedAttention(Protocol):
+    def __call__(
+        self,
+        query: Any,
+        key_cache: Any,
+        value_cache: Any,
+        block_table: Any,
+        seq_lens: Any,
+        query_start_loc: Any,
+        *,
+        scale: float,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
+    ) -> Any: ...
+
+
+class Backend(Protocol):
+    """A module (or object) offering the pool and the two kernels, like `spec` and `fast`."""
+
+    @property
+    def RequestStatePool(self) -> PoolFactory: ...  # noqa: N802 - the public class name
+
+    @property
+    def write_kv(self) -> WriteKV: ...
+
+    @property
+    def paged_attention(self) -> PagedAttention: ...
