@@ -224,7 +224,8 @@ def _check_unique_slots(state: PoolState, scheduled: list[_Scheduled]) -> None:
             slots = s.tables[g][positions // group.block_size] * group.block_size + positions % group.block_size
             for slot in slots.tolist():
                 if slot in owner:
-                    raise DuplicateSlotError(s.req_id, f"block_ids[{g}]", f"slot {slot} also written by {owner[slot]!r}")
+                    detail = f"slot {slot} also written by {owner[slot]!r}"
+                    raise DuplicateSlotError(s.req_id, f"block_ids[{g}]", detail)
                 owner[slot] = s.req_id
 
 

@@ -1,0 +1,239 @@
+"""The pipeline's semantics through the public API, once per backend (`--backend`).
+
+Expected values come from the articles or are derived here from the block ids the test hands out,
+never from the code under test.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conformance.backends import BackendHandle
+from conformance.driving import run, step
+from conformance.examples import A_PROMPT, B_SAMPLED, worked_example
+from spec import (
+    NULL_BLOCK_ID,
+    PAD_SLOT_ID,
+    CachedRequest,
+    KVCacheGroup,
+    NewRequest,
+    SchedulerOutput,
+    WorkerConfig,
+)
+
+INDEX, TOKEN = np.int32, np.int64
+
+
+def test_worked_example_from_the_articles(backend: BackendHandle) -> None:
+    ex = worked_example()
+    pool = backend.make_pool(ex.config)
+    step(backend, pool, ex.step1, sampled={"B": B_SAMPLED})
+    assert pool.row_of("A") == 6 and pool.row_of("B") == 7
+    batch = step(backend, pool, ex.step2)
+
+    assert batch["req_ids"] == ("B", "A")
+    np.testing.assert_array_equal(batch["index_mapping"], [7, 6])
+    np.testing.assert_array_equal(batch["num_scheduled_tokens"], [1, 8])
+    np.testing.assert_array_equal(batch["query_start_loc"], [0, 1, 9])
+    np.testing.assert_array_equal(batch["positions"], [31, *range(16, 24)])
+    np.testing.assert_array_equal(batch["seq_lens"], [32, 24])
+    np.testing.assert_array_equal(batch["logits_indices"], [0, 8])
+    np.testing.assert_array_equal(batch["slot_mappings"][0], [207, *range(704, 712)])
+    np.testing.assert_array_equal(batch["input_ids"], [B_SAMPLED, *A_PROMPT[16:24]])
+    np.testing.assert_array_equal(batch["block_tables"][0][:, :2], [[37, 12], [81, 44]])
+    assert batch["num_tokens"] == batch["num_tokens_padded"] == 9
+
+
+def test_batch_arrays_have_the_documented_dtypes(backend: BackendHandle) -> None:
+    ex = worked_example()
+    pool = backend.make_pool(ex.config)
+    batch = step(backend, pool, ex.step1)
+    for name in ("index_mapping", "num_scheduled_tokens", "query_start_loc", "seq_lens", "logits_indices"):
+        assert batch[name].dtype == INDEX, name
+    assert batch["positions"].dtype == TOKEN and batch["input_ids"].dtype == TOKEN
+    assert batch["block_tables"][0].dtype == np.int32 and batch["slot_mappings"][0].dtype == np.int64
+
+
+def _expected_slots(table: list[int], positions: range, block_size: int) -> list[int]:
+    return [table[p // block_size] * block_size + p % block_size for p in positions]
+
+
+def test_several_groups_with_different_block_sizes(backend: BackendHandle) -> None:
+    groups = (KVCacheGroup(16, 64), KVCacheGroup(5, 200), KVCacheGroup(1, 300))
+    config = WorkerConfig(4, 40, 64, 500, groups)
+    prompt = tuple(range(10, 30))  # 20 tokens
+    tables = ((3, 9), (7, 2, 11, 5), tuple(range(100, 120)))
+    pool = backend.make_pool(config)
+    batch = step(backend, pool, SchedulerOutput(new_requests=(NewRequest("x", prompt, tables),),
+                                                num_scheduled_tokens={"x": 20}))
+    for g, group in enumerate(groups):
+        expected = _expected_slots(list(tables[g]), range(20), group.block_size)
+        np.testing.assert_array_equal(batch["slot_mappings"][g], expected)
+        assert batch["block_tables"][g].shape == (1, config.max_blocks_per_req(g))
+        np.testing.assert_array_equal(batch["block_tables"][g][0, : len(tables[g])], tables[g])
+        assert (batch["block_tables"][g][0, len(tables[g]) :] == NULL_BLOCK_ID).all()
+
+
+def test_sliding_window_group_with_null_early_entries(backend: BackendHandle) -> None:
+    # Window 8, block 4: a query at position 19 reads positions 12..19 = blocks 3..4; blocks 0..2 may be null.
+    groups = (KVCacheGroup(4, 64), KVCacheGroup(4, 64, sliding_window=8))
+    config = WorkerConfig(2, 32, 32, 100, groups)
+    prompt = tuple(range(1, 21))
+    full = tuple(range(10, 15))
+    windowed = (NULL_BLOCK_ID, NULL_BLOCK_ID, NULL_BLOCK_ID, 31, 32)
+    pool = backend.make_pool(config)
+    sched = SchedulerOutput(
+        new_requests=(NewRequest("w", prompt, (full, windowed), num_computed_tokens=19),),  # prefix hit
+        num_scheduled_tokens={"w": 1},
+    )
+    batch = step(backend, pool, sched)
+    np.testing.assert_array_equal(batch["positions"], [19])
+    np.testing.assert_array_equal(batch["slot_mappings"][0], [14 * 4 + 3])
+    np.testing.assert_array_equal(batch["slot_mappings"][1], [32 * 4 + 3])
+    np.testing.assert_array_equal(batch["block_tables"][1][0, :5], windowed)
+    assert pool.snapshot()[0].block_ids[1] == windowed
+
+
+def test_padding_gives_pad_slots_and_monotone_query_start_loc(backend: BackendHandle) -> None:
+    ex = worked_example()
+    pool = backend.make_pool(ex.config)
+    step(backend, pool, ex.step1)
+    batch = step(backend, pool, ex.step2, pad_to=16)
+    assert batch["num_tokens"] == 9 and batch["num_tokens_padded"] == 16
+    assert (np.diff(batch["query_start_loc"]) >= 0).all() and batch["query_start_loc"][-1] == 9
+    assert (batch["slot_mappings"][0][9:] == PAD_SLOT_ID).all()
+    assert (batch["positions"][9:] == 0).all() and (batch["input_ids"][9:] == 0).all()
+    np.testing.assert_array_equal(batch["slot_mappings"][0][:9], [207, *range(704, 712)])
+
+
+def test_finished_row_is_reused_lowest_first_with_a_clean_table(backend: BackendHandle) -> None:
+    config = WorkerConfig(3, 32, 64, 100, (KVCacheGroup(4, 32),))
+    pool = backend.make_pool(config)
+    news = tuple(NewRequest(r, (5,) * 8, (ids,)) for r, ids in (("a", (1, 2)), ("b", (3, 4)), ("c", (5, 6))))
+    step(backend, pool, SchedulerOutput(new_requests=news, num_scheduled_tokens={"a": 8, "b": 8, "c": 8}))
+    # a and b finish; the next new request takes row 0 (the lowest free), with a one-block table
+    sched = SchedulerOutput(
+        new_requests=(NewRequest("d", (7, 7), ((9,),)),),
+        num_scheduled_tokens={"d": 2},
+        finished_req_ids=frozenset({"a", "b"}),
+    )
+    batch = step(backend, pool, sched)
+    assert pool.row_of("d") == 0
+    np.testing.assert_array_equal(batch["block_tables"][0][0], [9] + [NULL_BLOCK_ID] * 7)
+    assert [r.req_id for r in pool.snapshot()] == ["d", "c"]
+
+
+def test_prefix_cache_hit_starts_at_num_computed_tokens(backend: BackendHandle) -> None:
+    config = WorkerConfig(2, 32, 64, 100, (KVCacheGroup(4, 32),))
+    pool = backend.make_pool(config)
+    prompt = tuple(range(40, 50))
+    shared = (1, 2)  # two full blocks computed by an earlier request, shared
+    step(backend, pool, SchedulerOutput(new_requests=(NewRequest("p", prompt, ((*shared, 3),)),),
+                                        num_scheduled_tokens={"p": 10}))
+    hit = NewRequest("q", prompt, ((*shared, 4),), num_computed_tokens=8)
+    batch = step(backend, pool, SchedulerOutput(new_requests=(hit,), num_scheduled_tokens={"q": 2}))
+    np.testing.assert_array_equal(batch["positions"], [8, 9])
+    np.testing.assert_array_equal(batch["input_ids"], prompt[8:10])
+    np.testing.assert_array_equal(batch["slot_mappings"][0], [16, 17])
+    np.testing.assert_array_equal(batch["seq_lens"], [10])
+
+
+def test_resume_after_preemption_replaces_a_longer_table(backend: BackendHandle) -> None:
+    config = WorkerConfig(2, 32, 64, 100, (KVCacheGroup(4, 32),))
+    pool = backend.make_pool(config)
+    prompt = tuple(range(1, 11))
+    steps = [
+        SchedulerOutput(new_requests=(NewRequest("r", prompt, ((5, 6, 7),)),), num_scheduled_tokens={"r": 10}),
+        SchedulerOutput(cached_requests=(CachedRequest("r", 10),), num_scheduled_tokens={"r": 1}),
+        # preempted for a step (not scheduled), then resumed: recompute all 11 known tokens on new blocks
+        SchedulerOutput(),
+        SchedulerOutput(cached_requests=(CachedRequest("r", 0, ((9, 8, 10),), resumed=True),),
+                        num_scheduled_tokens={"r": 11}),
+    ]
+    batches = run(backend, pool, steps)
+    last = batches[-1]
+    np.testing.assert_array_equal(last["positions"], range(11))
+    np.testing.assert_array_equal(last["slot_mappings"][0], _expected_slots([9, 8, 10], range(11), 4))
+    np.testing.assert_array_equal(last["block_tables"][0][0], [9, 8, 10] + [NULL_BLOCK_ID] * 5)
+    assert pool.snapshot()[0].block_ids == ((9, 8, 10),)
+    # the resumed step reached the end of the known tokens: its sample was recorded
+    assert len(pool.snapshot()[0].token_ids) == 12
+
+
+def test_mid_prefill_rows_discard_their_sample(backend: BackendHandle) -> None:
+    config = WorkerConfig(2, 32, 64, 100, (KVCacheGroup(4, 32),))
+    pool = backend.make_pool(config)
+    sched = SchedulerOutput(new_requests=(NewRequest("m", tuple(range(12)), ((1, 2, 3),)),),
+                            num_scheduled_tokens={"m": 5})
+    step(backend, pool, sched, sampled={"m": 99})
+    assert pool.snapshot()[0].token_ids == tuple(range(12))
+
+
+def _dense_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, scale: float) -> np.ndarray:
+    """Causal GQA attention over one request's contiguous keys, float64, written out independently."""
+    group = q.shape[1] // k.shape[1]
+    out = np.zeros(q.shape)
+    for h in range(q.shape[1]):
+        logits = q[:, h] @ k[:, h // group].T * scale  # [q, k]
+        logits[np.arange(k.shape[0])[None, :] > q_pos[:, None]] = -np.inf
+        w = np.exp(logits - logits.max(-1, keepdims=True))
+        out[:, h] = (w / w.sum(-1, keepdims=True)) @ v[:, h // group]
+    return out
+
+
+def test_write_kv_then_paged_attention_matches_dense_attention(backend: BackendHandle) -> None:
+    """A prefill chunk and a decode in one batch, GQA 4:2, every key written through slot mappings."""
+    heads, kv_heads, dim, bs = 4, 2, 8, 4
+    config = WorkerConfig(2, 32, 64, 100, (KVCacheGroup(bs, 16),))
+    pool = backend.make_pool(config)
+    rng = np.random.default_rng(0)
+    seqs = {"d": 9, "p": 7}  # d: 9 tokens known; p: a 7-token prompt
+    news = (NewRequest("d", tuple(range(9)), ((3, 11, 6),)), NewRequest("p", tuple(range(7)), ((8, 2),)))
+    keys = {r: rng.standard_normal((n, kv_heads, dim)).astype(np.float32) for r, n in seqs.items()}
+    values = {r: rng.standard_normal((n, kv_heads, dim)).astype(np.float32) for r, n in seqs.items()}
+    queries = {r: rng.standard_normal((n, heads, dim)).astype(np.float32) for r, n in seqs.items()}
+    k_cache = backend.asarray(np.full((16, bs, kv_heads, dim), np.nan, np.float32))  # NaN: any stray read shows
+    v_cache = backend.asarray(np.full((16, bs, kv_heads, dim), np.nan, np.float32))
+
+    def forward(batch: dict, starts: dict[str, int]) -> np.ndarray:
+        tok = {r: slice(starts[r], starts[r] + int(n)) for r, n in zip(batch["req_ids"], batch["num_scheduled_tokens"],
+                                                                       strict=True)}
+        order = batch["req_ids"]
+        k = np.concatenate([keys[r][tok[r]] for r in order])
+        v = np.concatenate([values[r][tok[r]] for r in order])
+        q = np.concatenate([queries[r][tok[r]] for r in order])
+        backend.module.write_kv(k_cache, v_cache, backend.asarray(k), backend.asarray(v),
+                                backend.asarray(batch["slot_mappings"][0]))
+        return backend.to_numpy(backend.module.paged_attention(
+            backend.asarray(q), k_cache, v_cache, backend.asarray(batch["block_tables"][0]),
+            backend.asarray(batch["seq_lens"]), backend.asarray(batch["query_start_loc"]), scale=dim**-0.5))
+
+    # step 1: all of p, the first 8 of d; step 2: d's last token (a decode) and nothing else
+    b1 = step(backend, pool, SchedulerOutput(new_requests=news, num_scheduled_tokens={"d": 8, "p": 7}))
+    out1 = forward(b1, {"d": 0, "p": 0})
+    b2 = step(backend, pool, SchedulerOutput(cached_requests=(CachedRequest("d", 8),), num_scheduled_tokens={"d": 1}))
+    out2 = forward(b2, {"d": 8})
+
+    scale = dim**-0.5
+    exp_p = _dense_attention(queries["p"], keys["p"], values["p"], np.arange(7), scale)
+    exp_d = _dense_attention(queries["d"], keys["d"], values["d"], np.arange(9), scale)
+    assert b1["req_ids"] == ("p", "d")
+    np.testing.assert_allclose(out1[:7], exp_p, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out1[7:15], exp_d[:8], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out2[0], exp_d[8], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("pad_to", [None, 80])
+def test_prepare_is_repeatable(backend: BackendHandle, pad_to: int | None) -> None:
+    ex = worked_example()
+    pool = backend.make_pool(ex.config)
+    pool.apply(ex.step1)
+    first = backend.batch_to_numpy(pool.prepare(ex.step1, pad_to))
+    second = backend.batch_to_numpy(pool.prepare(ex.step1, pad_to))
+    for name, value in first.items():
+        if isinstance(value, tuple) and value and isinstance(value[0], np.ndarray):
+            for a, b in zip(value, second[name], strict=True):
+                np.testing.assert_array_equal(a, b)
+        else:
+            np.testing.assert_array_equal(value, second[name])

@@ -1,0 +1,69 @@
+"""How fast runs a kernel: compiled Triton on CUDA, Triton's interpreter or plain torch ops on CPU.
+
+CPU tensors take the vectorised torch path unless the interpreter is on, either for the whole process
+(`SLOTMAP_TRITON_INTERPRET=1` in the environment) or for a block of code (`with interpret(True):`),
+so that CI, which has no GPU, still executes the real kernel code. Both kernel flavours are built
+from the same Python function, so spec-vs-fast and spec-vs-fast-interpret can run in one process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
+from typing import Any
+
+import torch
+
+try:
+    import triton
+    from triton.runtime.interpreter import InterpretedFunction
+
+    HAVE_TRITON = True
+except ImportError:  # platforms without Triton wheels: the torch path still works on CPU
+    HAVE_TRITON = False
+
+INTERPRET_ENV = "SLOTMAP_TRITON_INTERPRET"
+_interpret_override: ContextVar[bool | None] = ContextVar("slotmap_interpret", default=None)
+
+
+def interpret_enabled() -> bool:
+    override = _interpret_override.get()
+    if override is not None:
+        return override
+    return os.environ.get(INTERPRET_ENV, "0") not in ("", "0")
+
+
+@contextlib.contextmanager
+def interpret(enabled: bool) -> Iterator[None]:
+    token = _interpret_override.set(enabled)
+    try:
+        yield
+    finally:
+        _interpret_override.reset(token)
+
+
+def use_triton(device: torch.device) -> bool:
+    """Triton for CUDA tensors always; for CPU tensors only through the interpreter."""
+    return device.type == "cuda" or (interpret_enabled() and HAVE_TRITON)
+
+
+class Kernel:
+    """One Triton kernel in two flavours: `kernel[grid](...)` picks by the mode at launch time."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+        self.compiled = triton.jit(fn) if HAVE_TRITON else None
+        self.interpreted = InterpretedFunction(fn) if HAVE_TRITON else None
+
+    def __getitem__(self, grid: Any) -> Callable[..., Any]:
+        flavour = self.interpreted if interpret_enabled() else self.compiled
+        if flavour is None:
+            raise RuntimeError("Triton is not installed; use CPU tensors without SLOTMAP_TRITON_INTERPRET")
+        return flavour[grid]
+
+
+def kernel(fn: Callable[..., Any]) -> Kernel:
+    """Decorator for slotmap's Triton kernels (instead of @triton.jit)."""
+    return Kernel(fn)
