@@ -6,6 +6,8 @@ row s of [num_blocks * block_size, num_kv_heads, head_dim]. PAD_SLOT_ID tokens a
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from spec.types import PAD_SLOT_ID
@@ -30,7 +32,7 @@ def write_kv(
     flat_v[slots[real]] = value[real]
 
 
-def check_kv_shapes(key_cache, value_cache, key, value, slot_mapping) -> None:  # type: ignore[no-untyped-def]
+def check_kv_shapes(key_cache: Any, value_cache: Any, key: Any, value: Any, slot_mapping: Any) -> None:
     """Shape contract of write_kv, shared by every backend."""
     if key_cache.shape != value_cache.shape or key_cache.ndim != 4:
         raise ValueError(f"write_kv: caches must share a 4-d shape, got {key_cache.shape} and {value_cache.shape}")

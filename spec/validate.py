@@ -40,7 +40,7 @@ from spec.errors import (
     UnknownTokenError,
 )
 from spec.state import PoolState, StepPlan, TableUpdate
-from spec.types import NULL_BLOCK_ID, SchedulerOutput
+from spec.types import NULL_BLOCK_ID, CachedRequest, NewRequest, SchedulerOutput
 
 
 @dataclass
@@ -121,7 +121,8 @@ def _check_consistency(sched: SchedulerOutput, num_groups: int) -> None:
         raise InconsistentSchedulerOutputError(req_id, field, detail)
 
     seen: set[str] = set()
-    for req in (*sched.new_requests, *sched.cached_requests):
+    requests: tuple[NewRequest | CachedRequest, ...] = (*sched.new_requests, *sched.cached_requests)
+    for req in requests:
         if req.req_id in seen:
             fail(req.req_id, "new_requests/cached_requests", "listed twice")
         seen.add(req.req_id)
