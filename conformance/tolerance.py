@@ -1,0 +1,90 @@
+"""The one place slotmap states how close a floating-point result must be (flash-attention style).
+
+Rule. Let `ref64` be spec computed in float64 on the very inputs the backend saw (their values,
+exactly representable in the input dtype, widened to float64), and `low` the same spec computation done
+in the input dtype. Then
+
+    max|fast - ref64|  <=  2 * max|low - ref64|  +  floor(dtype) * max(1, max|ref64|)
+
+with floor(dtype) = FLOOR_EPS * finfo(dtype).eps. The factor 2 says a backend may be at most twice as
+inexact as the straightforward computation in its own dtype; the floor covers the case where that
+computation happens to be (nearly) exact, and the rounding of the output to the dtype, which no backend
+can avoid: half an ulp of the largest output is eps/2 * max|out|.
+
+"spec in the input dtype" per dtype:
+  float32, float16: spec on NumPy arrays of that dtype (spec computes in the dtype of its inputs).
+  bfloat16: NumPy has no bfloat16, so spec runs in float32 on the bfloat16 inputs and its output is rounded
+      to bfloat16. This baseline is more accurate than true bfloat16 arithmetic would be, so the rule is
+      stricter there, and the floor (from bfloat16's eps) carries the weight of the bound.
+Non-finite values in a backend's output always fail. Values that are exact by contract (padding rows
+are zero) are compared exactly by the caller, not through this rule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+FLOOR_EPS = 2  # the floor, in units of the dtype's machine epsilon (relative to max(1, max|ref64|))
+
+LOW_PRECISION = ("float16", "bfloat16", "float32")
+
+
+def dtype_name(dtype: Any) -> str:
+    """'float16', 'bfloat16', 'float32' or 'float64' for a torch dtype, NumPy dtype or name."""
+    if isinstance(dtype, torch.dtype):
+        return str(dtype).removeprefix("torch.")
+    return str(np.dtype(dtype)) if str(dtype) != "bfloat16" else "bfloat16"
+
+
+def floor(dtype: Any) -> float:
+    return FLOOR_EPS * float(torch.finfo(getattr(torch, dtype_name(dtype))).eps)
+
+
+def as_float64(x: Any) -> np.ndarray:
+    """A NumPy float64 copy of a NumPy array or a torch tensor of any float dtype (bfloat16 included)."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().to("cpu", torch.float64).numpy()
+    return np.asarray(x, np.float64)
+
+
+def round_to(x: np.ndarray, dtype: Any) -> np.ndarray:
+    """x rounded to `dtype` (round to nearest even), returned as float64: the values a backend will see."""
+    return torch.from_numpy(np.asarray(x, np.float64)).to(getattr(torch, dtype_name(dtype))).double().numpy()
+
+
+def spec_in_dtype(fn: Callable[..., np.ndarray], dtype: Any, float_args: tuple[np.ndarray, ...], /,
+                  *args: Any, **kwargs: Any) -> np.ndarray:  # fmt: skip
+    """`fn(*float_args, *args, **kwargs)` computed "in `dtype`" as the module docstring defines, as float64.
+
+    float_args must already be representable in dtype (see round_to); args/kwargs pass through unchanged.
+    """
+    name = dtype_name(dtype)
+    if name == "bfloat16":
+        out = fn(*(np.asarray(a, np.float32) for a in float_args), *args, **kwargs)
+        return round_to(out, "bfloat16")
+    return np.asarray(fn(*(np.asarray(a, name) for a in float_args), *args, **kwargs), np.float64)
+
+
+def tolerance(ref64: np.ndarray, low_precision_ref: np.ndarray, dtype: Any) -> float:
+    """The bound of the rule for one comparison."""
+    low_error = float(np.max(np.abs(low_precision_ref - ref64), initial=0.0))
+    scale = max(1.0, float(np.max(np.abs(ref64), initial=0.0)))
+    return 2.0 * low_error + floor(dtype) * scale
+
+
+def assert_attention_close(fast_out: Any, ref64: Any, low_precision_ref: Any, dtype: Any) -> None:
+    """Assert the rule; the message gives the error, the bound and where the worst element is."""
+    fast, ref, low = as_float64(fast_out), as_float64(ref64), as_float64(low_precision_ref)
+    assert fast.shape == ref.shape == low.shape, f"shapes differ: {fast.shape}, {ref.shape}, {low.shape}"
+    assert np.isfinite(fast).all(), f"non-finite output at {np.argwhere(~np.isfinite(fast))[:5].tolist()}"
+    error = np.abs(fast - ref)
+    bound = tolerance(ref, low, dtype)
+    worst = np.unravel_index(int(np.argmax(error)), error.shape) if error.size else ()
+    assert float(np.max(error, initial=0.0)) <= bound, (
+        f"{dtype_name(dtype)}: max abs error {float(np.max(error)):.3e} at {worst} > bound {bound:.3e} "
+        f"(spec in {dtype_name(dtype)}: {float(np.max(np.abs(low - ref), initial=0.0)):.3e})"
+    )

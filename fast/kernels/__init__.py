@@ -1,0 +1,1 @@
+"""Triton kernels of fast, one file per pipeline stage: launchers on top, `_..._kernel` functions below."""
