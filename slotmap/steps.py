@@ -1,7 +1,9 @@
-"""Drive a backend through the worked example and collect one step's values in NumPy form."""
+"""Drive a backend through a schedule and collect one step's values in NumPy form (for demo and explain)."""
 
 from __future__ import annotations
 
+import random
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -9,7 +11,21 @@ import numpy as np
 
 from conformance.backends import BackendHandle
 from conformance.examples import worked_example
-from spec.types import PoolSnapshot, WorkerConfig
+from spec.types import KVCacheGroup, PoolSnapshot, SchedulerOutput, WorkerConfig
+
+# Small enough to read in a terminal, rich enough to show chunked prefill, prefix sharing, a sliding
+# window's null entries, preemption and padding within a few steps.
+SEEDED_CONFIG = WorkerConfig(
+    max_num_reqs=6,
+    max_model_len=48,
+    max_num_batched_tokens=24,
+    vocab_size=1000,
+    kv_groups=(KVCacheGroup(block_size=8, num_blocks=24), KVCacheGroup(block_size=4, num_blocks=40, sliding_window=8)),
+)
+SEEDED_DEFAULT_STEP = 4
+
+# (batch req_ids, step number) -> one sampled token id per batch row
+Sampler = Callable[[tuple[str, ...], int], list[int]]
 
 
 @dataclass(frozen=True)
@@ -17,15 +33,80 @@ class StepView:
     """Everything `demo` and `explain` draw about one step, backend-neutral."""
 
     config: WorkerConfig
-    snapshot: PoolSnapshot  # the pool after apply
+    snapshot: PoolSnapshot  # the pool after apply, which is what prepare reads
     batch: dict[str, Any]  # BatchInputs fields in NumPy form
+    title: str = ""  # what this step is, for headings
 
 
-def worked_example_step(backend: BackendHandle) -> StepView:
+def run_to_step(
+    backend: BackendHandle,
+    config: WorkerConfig,
+    outputs: Iterable[SchedulerOutput],
+    step: int,
+    sample: Sampler,
+    pad_to: int | None = None,
+    title: str = "",
+) -> StepView:
+    """Runs steps 1..step-1 in full (apply, prepare, record_sampled), then applies and prepares `step`."""
+    if step < 1:
+        raise ValueError(f"step must be >= 1, got {step}")
+    pool = backend.make_pool(config)
+    taken = 0
+    for number, sched in enumerate(outputs, start=1):
+        taken = number
+        pool.apply(sched)
+        if number == step:
+            batch = pool.prepare(sched, pad_to)
+            return StepView(config, pool.snapshot(), backend.batch_to_numpy(batch), title)
+        batch = pool.prepare(sched)
+        pool.record_sampled(batch, backend.asarray(np.array(sample(batch.req_ids, number), np.int64)))
+    raise ValueError(f"step {step} requested but the schedule has only {taken} steps")
+
+
+def worked_example_step(backend: BackendHandle, step: int = 2, pad_to: int | None = None) -> StepView:
+    """The articles' example: step 1 prefills A and B, step 2 (the one the articles draw) runs B:1 and A:8."""
     ex = worked_example()
-    pool = backend.make_pool(ex.config)
-    pool.apply(ex.step1)
-    first = pool.prepare(ex.step1)
-    pool.record_sampled(first, backend.asarray(np.array(ex.sampled_after_step1(first.req_ids))))
-    pool.apply(ex.step2)
-    return StepView(ex.config, pool.snapshot(), backend.batch_to_numpy(pool.prepare(ex.step2)))
+    return run_to_step(
+        backend,
+        ex.config,
+        (ex.step1, ex.step2),
+        step,
+        lambda req_ids, _: ex.sampled_after_step1(req_ids),
+        pad_to,
+        title=f"worked example, step {step}",
+    )
+
+
+def seeded_step(backend: BackendHandle, seed: int, step: int | None = None, pad_to: int | None = None) -> StepView:
+    """Step `step` of a random workload run by the reference scheduler (same seed, same step, any backend).
+
+    The model is faked: each batch row "samples" a token drawn from a generator seeded by `seed`.
+    `pad_to` overrides the scheduler's padding bucket for the explained step.
+    """
+    from conformance.scheduler import ReferenceScheduler, SchedulerKnobs, make_workload
+
+    step = SEEDED_DEFAULT_STEP if step is None else step
+    if step < 1:
+        raise ValueError(f"step must be >= 1, got {step}")
+    config = SEEDED_CONFIG
+    workload = make_workload(seed, config, num_requests=6, max_arrival_step=3, max_new_tokens=8)
+    knobs = SchedulerKnobs(max_chunk=12, pad_buckets=(8, 16, 24))
+    sched = ReferenceScheduler(config, workload, knobs, seed=seed)
+    pool = backend.make_pool(config)
+    sampler = random.Random(seed)
+    for number in range(1, step + 1):
+        if sched.done():
+            raise ValueError(f"step {step} requested but seed {seed}'s workload finished after {number - 1} steps")
+        out = sched.schedule()
+        padded = sched.pad_to(out)
+        pool.apply(out)
+        if number == step:
+            batch = pool.prepare(out, padded if pad_to is None else pad_to)
+            title = f"seed {seed}, step {step}: {len(workload.requests)} requests, reference scheduler"
+            return StepView(config, pool.snapshot(), backend.batch_to_numpy(batch), title)
+        batch = pool.prepare(out, padded)
+        tokens = [sampler.randrange(config.vocab_size) for _ in batch.req_ids]
+        pool.record_sampled(batch, backend.asarray(np.array(tokens, np.int64)))
+        taking = set(sched.sampling_req_ids(out))
+        sched.update(out, {r: t for r, t in zip(batch.req_ids, tokens, strict=True) if r in taking})
+    raise AssertionError("unreachable: the loop returns at `step`")

@@ -32,6 +32,8 @@ class KVCacheGroup:
             raise ValueError(f"KVCacheGroup needs block_size >= 1 and num_blocks >= 2, got {self}")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"KVCacheGroup.sliding_window must be >= 1, got {self.sliding_window}")
+        if self.num_blocks > 2**31:  # block tables are int32 (BLOCK_ID_DTYPE): the largest id must fit
+            raise ValueError(f"KVCacheGroup.num_blocks must be <= 2**31 (int32 block ids), got {self.num_blocks}")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,203 @@
+"""A tiny Llama-style decoder that runs on a backend's paged KV pipeline, and the same weights run densely.
+
+`TinyDecoder.forward_paged(batch, kv)` is one engine step: it embeds `input_ids`, applies RoPE at
+`positions`, writes K/V with the backend's `write_kv` at `slot_mappings[g]`, attends with its
+`paged_attention` over `block_tables[g]` / `seq_lens` / `query_start_loc`, and returns logits at
+`logits_indices`. `forward_dense(token_ids)` runs the same weights over one whole sequence with no
+cache (causal, the same window per layer): if every mapping is right, the two agree at every position.
+
+Weights are deterministic random float32 (no download). The dense forward casts them to float64
+exactly, so it is the high-precision reference for the float32 paged run.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from slotmap.kv_caches import PagedKV
+from spec.types import BatchInputs, KVCacheGroup
+
+FLOAT32_EPS = float(np.finfo(np.float32).eps)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 2048
+    hidden_size: int = 64
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    intermediate_size: int = 128
+    layer_groups: tuple[int, ...] = (0, 1, 0)  # layer -> KV cache group (a group may have a sliding window)
+    rope_theta: float = 10000.0
+    rms_eps: float = 1e-6
+    seed: int = 0
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_groups)
+
+
+@dataclass
+class _Layer:
+    attn_norm: torch.Tensor  # [D]
+    wq: torch.Tensor  # [D, H * hd]
+    wk: torch.Tensor  # [D, KVH * hd]
+    wv: torch.Tensor  # [D, KVH * hd]
+    wo: torch.Tensor  # [H * hd, D]
+    mlp_norm: torch.Tensor  # [D]
+    w_gate: torch.Tensor  # [D, I]
+    w_up: torch.Tensor  # [D, I]
+    w_down: torch.Tensor  # [I, D]
+
+    def to(self, dtype: torch.dtype, device: torch.device) -> _Layer:
+        return _Layer(**{k: v.to(dtype=dtype, device=device) for k, v in vars(self).items()})
+
+
+class TinyDecoder:
+    def __init__(
+        self, config: ModelConfig, kv_groups: Sequence[KVCacheGroup], device: torch.device | str = "cpu"
+    ) -> None:
+        if config.num_heads % config.num_kv_heads:
+            raise ValueError(f"num_heads {config.num_heads} must be a multiple of num_kv_heads {config.num_kv_heads}")
+        if max(config.layer_groups) >= len(kv_groups) or min(config.layer_groups) < 0:
+            raise ValueError(f"layer_groups {config.layer_groups} name groups outside the {len(kv_groups)} KV groups")
+        self.config = config
+        self.kv_groups = tuple(kv_groups)
+        self.windows = tuple(self.kv_groups[g].sliding_window for g in config.layer_groups)  # [num_layers]
+        self.device = torch.device(device)
+        self._weights32 = _init_weights(config)
+        self._by_dtype: dict[torch.dtype, tuple[torch.Tensor, list[_Layer], torch.Tensor, torch.Tensor]] = {}
+
+    def _weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, list[_Layer], torch.Tensor, torch.Tensor]:
+        if dtype not in self._by_dtype:
+            embed, layers, norm, head = self._weights32
+            dev = self.device
+            self._by_dtype[dtype] = (embed.to(dev, dtype), [la.to(dtype, dev) for la in layers],
+                                     norm.to(dev, dtype), head.to(dev, dtype))
+        return self._by_dtype[dtype]
+
+    def forward_paged(self, batch: BatchInputs, kv: PagedKV) -> torch.Tensor:  # [num_reqs, vocab] in kv.dtype
+        """One engine step in the caches' dtype (float32 normally; float64 to replay a step as a reference)."""
+        cfg = self.config
+        embed, layers, final_norm, lm_head = self._weights(kv.dtype)
+        input_ids = kv.index_tensor(batch.input_ids)  # [T]
+        positions = kv.index_tensor(batch.positions)  # [T]
+        num_tokens = input_ids.shape[0]
+        cos, sin = self._rope(positions, kv.dtype)
+        x = embed[input_ids]  # [T, D]
+        for layer_idx, (layer, window) in enumerate(zip(layers, self.windows, strict=True)):
+            g = cfg.layer_groups[layer_idx]
+            h = _rms_norm(x, layer.attn_norm, cfg.rms_eps)
+            q = _apply_rope((h @ layer.wq).view(num_tokens, cfg.num_heads, cfg.head_dim), cos, sin)
+            k = _apply_rope((h @ layer.wk).view(num_tokens, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+            v = (h @ layer.wv).view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+            kv.write(layer_idx, k, v, batch.slot_mappings[g])
+            attn = kv.attend(
+                layer_idx, q, batch.block_tables[g], batch.seq_lens, batch.query_start_loc,
+                scale=1.0 / math.sqrt(cfg.head_dim), sliding_window=window,
+            )  # [T, H, hd]
+            x = x + attn.reshape(num_tokens, cfg.num_heads * cfg.head_dim) @ layer.wo
+            x = x + _mlp(_rms_norm(x, layer.mlp_norm, cfg.rms_eps), layer)
+        last = x[kv.index_tensor(batch.logits_indices).long()]  # [num_reqs, D]: only rows that sample
+        return _rms_norm(last, final_norm, cfg.rms_eps) @ lm_head
+
+    def forward_dense(self, token_ids: Sequence[int], dtype: torch.dtype = torch.float64) -> torch.Tensor:
+        """Logits [L, vocab] at every position of one whole sequence, no cache: position p predicts token p+1."""
+        cfg = self.config
+        embed, layers, final_norm, lm_head = self._weights(dtype)
+        ids = torch.as_tensor(list(token_ids), dtype=torch.long, device=self.device)  # [L]
+        length = ids.shape[0]
+        positions = torch.arange(length, device=self.device)  # [L]
+        cos, sin = self._rope(positions, dtype)
+        x = embed[ids]
+        group = cfg.num_heads // cfg.num_kv_heads
+        for layer, window in zip(layers, self.windows, strict=True):
+            h = _rms_norm(x, layer.attn_norm, cfg.rms_eps)
+            q = _apply_rope((h @ layer.wq).view(length, cfg.num_heads, cfg.head_dim), cos, sin)
+            k = _apply_rope((h @ layer.wk).view(length, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+            v = (h @ layer.wv).view(length, cfg.num_kv_heads, cfg.head_dim)
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [L, H, hd]
+            scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(cfg.head_dim)
+            visible = positions[None, :] <= positions[:, None]  # [L, L] causal
+            if window is not None:
+                visible &= positions[None, :] > positions[:, None] - window
+            weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+            attn = torch.einsum("hqk,khd->qhd", weights, v)
+            x = x + attn.reshape(length, cfg.num_heads * cfg.head_dim) @ layer.wo
+            x = x + _mlp(_rms_norm(x, layer.mlp_norm, cfg.rms_eps), layer)
+        return _rms_norm(x, final_norm, cfg.rms_eps) @ lm_head
+
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, hd/2] at `positions`, computed in float64 so both forwards see the same angles."""
+        half = self.config.head_dim // 2
+        inv_freq = self.config.rope_theta ** (-torch.arange(half, dtype=torch.float64, device=positions.device) / half)
+        angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def dense_logit_tolerance(reference_logits: torch.Tensor, config: ModelConfig) -> float:
+    """Largest |float32 paged logit - float64 dense logit| accepted, for logits of scale `reference_logits`.
+
+    Rounding error of a float32 forward grows with the length of each dot product (~sqrt(n) eps for
+    random-sign terms) and with the number of matmuls chained in sequence (4 per layer: qkv, o,
+    gate/up, down; plus the head), relative to the logits' scale:
+        tol = 2 * eps32 * sqrt(widest dot product) * chained matmuls * max(1, max|logit|)
+    the 2 covering the paged kernels' different summation order (per block, online softmax). For the
+    default config that is ~3.5e-5 * scale; observed errors are 50-100x smaller, while a wrong slot,
+    position, table entry or window moves logits by O(0.1-1).
+    """
+    chained = 4 * config.num_layers + 1
+    width = max(config.hidden_size, config.intermediate_size, config.num_heads * config.head_dim)
+    scale = max(1.0, float(reference_logits.abs().max()))
+    return 2.0 * FLOAT32_EPS * math.sqrt(width) * chained * scale
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps) * weight
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE on x [T, heads, hd] with cos/sin [T, hd/2]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+
+
+def _mlp(x: torch.Tensor, layer: _Layer) -> torch.Tensor:
+    return (torch.nn.functional.silu(x @ layer.w_gate) * (x @ layer.w_up)) @ layer.w_down
+
+
+def _init_weights(config: ModelConfig) -> tuple[torch.Tensor, list[_Layer], torch.Tensor, torch.Tensor]:
+    """float32 weights from a seeded generator: identical on every machine and device."""
+    gen = torch.Generator().manual_seed(config.seed)
+    d, i = config.hidden_size, config.intermediate_size
+    q_width, kv_width = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+
+    def normal(*shape: int, std: float) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, dtype=torch.float32) * std
+
+    def norm_weight() -> torch.Tensor:
+        return 1.0 + normal(d, std=0.1)
+
+    embed = normal(config.vocab_size, d, std=1.0)
+    layers = [
+        _Layer(
+            attn_norm=norm_weight(),
+            wq=normal(d, q_width, std=d**-0.5),
+            wk=normal(d, kv_width, std=d**-0.5),
+            wv=normal(d, kv_width, std=d**-0.5),
+            wo=normal(q_width, d, std=q_width**-0.5),
+            mlp_norm=norm_weight(),
+            w_gate=normal(d, i, std=d**-0.5),
+            w_up=normal(d, i, std=d**-0.5),
+            w_down=normal(i, d, std=i**-0.5),
+        )
+        for _ in range(config.num_layers)
+    ]
+    return embed, layers, norm_weight(), normal(d, config.vocab_size, std=d**-0.5)

@@ -1,0 +1,173 @@
+"""End to end: the tiny decoder generating through a backend's paged pipeline equals a dense recompute.
+
+Every logits row the paged run produces, and every greedy token, is checked against the same model run
+densely in float64 over the request's whole sequence (prompt + generated), with the tolerance of
+`slotmap.model.dense_logit_tolerance`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import spec
+from conformance.backends import BackendHandle, load_backend
+from conformance.scheduler import ReferenceScheduler, SchedulerKnobs, make_workload
+from slotmap.cli import app
+from slotmap.dense_check import check_request
+from slotmap.engine import Engine, RequestRecord, drive
+from slotmap.model import ModelConfig
+from slotmap.verify import SpecVerifier
+from spec.types import BatchInputs, CachedRequest, KVCacheGroup, NewRequest, SchedulerOutput, WorkerConfig
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread() -> object:
+    """The model is tiny: extra intra-op threads only spin against other work on a shared CI machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+GROUPS = (KVCacheGroup(block_size=4, num_blocks=64), KVCacheGroup(block_size=4, num_blocks=64, sliding_window=5))
+HAND_CONFIG = WorkerConfig(max_num_reqs=4, max_model_len=64, max_num_batched_tokens=32, vocab_size=2048,
+                           kv_groups=GROUPS)
+PREFIX = (7, 300, 1999, 42, 5, 5, 810, 64)  # two full blocks, shared by "a" and "b"
+A_PROMPT = (*PREFIX, 11, 12)
+B_PROMPT = (*PREFIX, 901, 902, 903)
+
+
+def hand_steps() -> list[tuple[SchedulerOutput, int | None]]:
+    """Chunked prefill, padding, a prefix-cache hit sharing blocks in both groups (the window group with a
+    null block for positions out of its window), preemption with recompute into a replaced table."""
+    return [
+        (SchedulerOutput(new_requests=(NewRequest("a", A_PROMPT, ((1, 2, 3), (11, 12, 13))),),
+                         num_scheduled_tokens={"a": 6}), 8),
+        (SchedulerOutput(cached_requests=(CachedRequest("a", 6),), num_scheduled_tokens={"a": 4}), None),
+        (SchedulerOutput(new_requests=(NewRequest("b", B_PROMPT, ((1, 2, 4), (0, 12, 14)), num_computed_tokens=8),),
+                         cached_requests=(CachedRequest("a", 10),), num_scheduled_tokens={"b": 3, "a": 1}), 8),
+        (SchedulerOutput(cached_requests=(CachedRequest("b", 11),), num_scheduled_tokens={"b": 1}), None),
+        (SchedulerOutput(cached_requests=(CachedRequest("a", 0, ((5, 6, 7), (15, 16, 17)), resumed=True),
+                                          CachedRequest("b", 12, ((8,), (18,)))),
+                         num_scheduled_tokens={"a": 12, "b": 1}), 16),
+        (SchedulerOutput(cached_requests=(CachedRequest("a", 12, ((9,), (19,))), CachedRequest("b", 13)),
+                         num_scheduled_tokens={"a": 1, "b": 1}), 4),
+        (SchedulerOutput(cached_requests=(CachedRequest("b", 14),), finished_req_ids=frozenset({"a"}),
+                         num_scheduled_tokens={"b": 1}), None),
+    ]
+
+
+def run_hand_steps(backend: BackendHandle) -> tuple[Engine, list[RequestRecord]]:
+    engine = Engine(backend, HAND_CONFIG, ModelConfig(vocab_size=HAND_CONFIG.vocab_size))
+    done: list[RequestRecord] = []
+    for out, pad_to in hand_steps():
+        done += engine.finish(out.finished_req_ids)
+        engine.step(out, pad_to)
+    return engine, done + engine.finish(set(engine.requests))
+
+
+def test_hand_written_steps_match_dense(backend: BackendHandle) -> None:
+    engine, records = run_hand_steps(backend)
+    by_id = {r.req_id: r for r in records}
+    # a: 10-token prompt sampled at step 2, one decode, then recompute + sample, one decode.
+    assert len(by_id["a"].tokens) == len(A_PROMPT) + 4
+    assert len(by_id["b"].tokens) == len(B_PROMPT) + 5
+    for record in records:
+        check = check_request(engine.model, record)
+        assert check.ok, check.failures
+        assert check.tokens_checked == len(record.tokens) - len(record.prompt)
+
+
+def test_dense_check_catches_a_wrong_position() -> None:
+    """Control: shifting one request's RoPE positions by one must fail the check (so passing means something)."""
+    spec_backend = load_backend("spec")
+    engine = Engine(spec_backend, HAND_CONFIG, ModelConfig(vocab_size=HAND_CONFIG.vocab_size))
+    steps = hand_steps()
+    for out, pad_to in steps[:3]:
+        engine.step(out, pad_to)
+    out, pad_to = steps[3]
+    real_prepare = engine.pool.prepare
+
+    def shifted_prepare(sched: SchedulerOutput, pad: int | None = None) -> BatchInputs:
+        batch = real_prepare(sched, pad)
+        return dataclasses.replace(batch, positions=batch.positions + 1)
+
+    engine.pool.prepare = shifted_prepare  # type: ignore[method-assign,assignment]
+    engine.step(out, pad_to)
+    check = check_request(engine.model, engine.requests["b"])
+    assert not check.ok
+    assert check.max_error > 1000 * check.tolerance
+
+
+SCHED_CONFIG = WorkerConfig(
+    max_num_reqs=6, max_model_len=48, max_num_batched_tokens=32, vocab_size=2048,
+    kv_groups=(KVCacheGroup(block_size=4, num_blocks=24), KVCacheGroup(block_size=4, num_blocks=24, sliding_window=6)),
+)
+SCHED_MODEL = ModelConfig(vocab_size=2048, hidden_size=32, intermediate_size=64, head_dim=8)
+SCHED_KNOBS = SchedulerKnobs(max_chunk=8, pad_buckets=(8, 16, 32))
+
+
+def test_reference_scheduler_run_matches_dense(backend: BackendHandle) -> None:
+    """16 requests with shared prefixes through a pool too small for them all: every token of every request
+    equals the dense recompute, and the run really chunked, padded, shared prefixes and preempted."""
+    if backend.name == "fast-interpret":
+        pytest.skip("Triton interpreter runs ~1000x slower: fast-interpret gets the hand-written steps only")
+    workload = make_workload(0, SCHED_CONFIG, num_requests=16, max_arrival_step=4, num_prefixes=2,
+                             shared_prefix_prob=0.7, max_prompt_len=24, max_new_tokens=10)
+    scheduler = ReferenceScheduler(SCHED_CONFIG, workload, knobs=SCHED_KNOBS, seed=0)
+    engine = Engine(backend, SCHED_CONFIG, SCHED_MODEL)
+    records: list[RequestRecord] = []
+    drive(engine, scheduler, on_finished=records.append)
+    records += engine.finish(set(engine.requests))
+
+    stats = scheduler.stats
+    assert stats.preemptions > 0 and stats.resumptions > 0
+    assert stats.prefix_hit_tokens > 0
+    assert stats.padded_steps > 0
+    assert stats.window_releases > 0
+    chunks = [entry for r in records for entry in r.logits if entry.sampled is None]  # mid-prefill rows
+    assert chunks, "no prompt was prefilled in more than one step"
+    assert sorted(r.req_id for r in records) == sorted(r.req_id for r in workload.requests)
+
+    generated = 0
+    for record in records:
+        expected_prompt = next(w.prompt_token_ids for w in workload.requests if w.req_id == record.req_id)
+        assert record.prompt == expected_prompt
+        assert record.tokens == scheduler.requests[record.req_id].tokens  # what the scheduler was told
+        check = check_request(engine.model, record)
+        assert check.ok, check.failures
+        assert check.tokens_checked == len(record.tokens) - len(record.prompt) >= 1
+        generated += check.tokens_checked
+    assert generated == sum(r.num_output for r in scheduler.requests.values())
+
+
+def test_simulate_command_verifies_and_plots(backend: BackendHandle, tmp_path: Path) -> None:
+    if backend.name == "fast-interpret":
+        pytest.skip("Triton interpreter runs ~1000x slower: a whole simulated workload is too long for CI")
+    plot = tmp_path / "run.png"
+    result = CliRunner().invoke(app, ["simulate", "--backend", backend.name, "--requests", "12", "--seed", "1",
+                                      "--verify-every", "2", "--plot", str(plot)])
+    assert result.exit_code == 0, result.output
+    assert "requests finished" in result.output and "all matched" in result.output
+    assert plot.stat().st_size > 0
+
+
+def test_verifier_flags_a_backend_that_drifts_from_spec() -> None:
+    """Control: a backend whose attention output is 1e-4 (relative) off fails step verification."""
+    drifting = BackendHandle("drifting", SimpleNamespace(
+        RequestStatePool=spec.RequestStatePool, write_kv=spec.write_kv,
+        paged_attention=lambda *args, **kwargs: spec.paged_attention(*args, **kwargs) * np.float32(1.0001),
+    ))
+    workload = make_workload(0, SCHED_CONFIG, num_requests=4, max_arrival_step=1, max_prompt_len=12, max_new_tokens=3)
+    engine = Engine(drifting, SCHED_CONFIG, SCHED_MODEL)
+    verifier = SpecVerifier(engine, every=1)
+    drive(engine, ReferenceScheduler(SCHED_CONFIG, workload, knobs=SCHED_KNOBS), observer=verifier)
+    assert verifier.steps_checked > 0
+    assert not verifier.all_matched and "logits differ from spec" in verifier.mismatches[0]
