@@ -1,6 +1,12 @@
-"""pytest plugin (registered through the `pytest11` entry point): `--backend` and Hypothesis profiles."""
+"""pytest plugin (registered through the `pytest11` entry point): `--backend` and Hypothesis profiles.
+
+Also `--conformance-scale` (multiplies the differential suite's per-backend example budgets) and a
+terminal summary of how many scheduler steps and requests the differential suite compared.
+"""
 
 from __future__ import annotations
+
+import sys
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -23,6 +29,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=None,
         help="backend under test: spec, fast, fast-interpret or module:factory (repeatable; default: all built-in)",
     )
+    parser.addoption(
+        "--conformance-scale",
+        type=float,
+        default=1.0,
+        help="multiply the differential suite's per-backend example budgets (on top of the Hypothesis profile)",
+    )
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -42,3 +54,23 @@ def _default_backends() -> list[str]:
 @pytest.fixture(scope="session")
 def backend(request: pytest.FixtureRequest) -> BackendHandle:
     return load_backend(request.param)
+
+
+@pytest.fixture(scope="session")
+def conformance_scale(request: pytest.FixtureRequest) -> float:
+    return float(request.config.getoption("--conformance-scale"))
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    differential = sys.modules.get("conformance.differential")  # only if the differential suite ran
+    counts = getattr(differential, "COUNTS", None)
+    if not counts or not counts.get("steps"):
+        return
+    per_backend = ", ".join(
+        f"{key[len('steps[') : -1]}: {n}" for key, n in sorted(counts.items()) if key.startswith("steps[")
+    )
+    terminalreporter.write_sep("-", "conformance")
+    terminalreporter.write_line(
+        f"compared {counts['steps']} scheduler steps ({per_backend}), {counts['requests']} requests, "
+        f"{counts['invalid']} invalid outputs rejected identically"
+    )

@@ -28,7 +28,11 @@ from typing import Any
 import numpy as np
 import torch
 
-FLOOR_EPS = 2  # the floor, in units of the dtype's machine epsilon (relative to max(1, max|ref64|))
+# The floor, in units of the dtype's machine epsilon (relative to max(1, max|ref64|)): the output's own
+# rounding (eps/2), plus about one eps each for the reassociated softmax denominator and the P.V sum,
+# which a tiled or fused kernel orders differently from the reference. 2 was observed too tight
+# (float32: error 3.9e-7 against a bound of 3.8e-7 from an example with a near-exact reference).
+FLOOR_EPS = 4
 
 LOW_PRECISION = ("float16", "bfloat16", "float32")
 

@@ -44,6 +44,8 @@ def paged_attention_triton(
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     num_reqs = seq_lens.shape[0]
+    if num_tokens == 0 or num_reqs == 0:  # nothing to attend; empty tensors' strides mean nothing
+        return
     assert out.shape == query.shape and out.dtype == query.dtype
     assert key_cache.shape == value_cache.shape and key_cache.stride() == value_cache.stride()
     assert num_heads % num_kv_heads == 0 and key_cache.shape[3] == head_dim
@@ -51,8 +53,6 @@ def paged_attention_triton(
     assert block_table.shape[0] == num_reqs and query_start_loc.shape == (num_reqs + 1,)
     assert query.stride(2) == out.stride(2) == key_cache.stride(3) == 1 and block_table.stride(1) == 1
     assert seq_lens.stride(0) == 1 and query_start_loc.stride(0) == 1
-    if num_tokens == 0 or num_reqs == 0:
-        return
     group = num_heads // num_kv_heads
     heads_pad = triton.next_power_of_2(group)
     block_m = max(_BLOCK_M_MIN, heads_pad)

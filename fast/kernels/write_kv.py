@@ -24,14 +24,14 @@ def write_kv_triton(
 ) -> None:
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
     num_tokens = key.shape[0]
+    if num_tokens == 0:  # an empty step (say, one that only finishes requests); its strides mean nothing
+        return
     assert value_cache.shape == key_cache.shape and key.shape == value.shape == (num_tokens, num_kv_heads, head_dim)
     assert slot_mapping.shape == (num_tokens,) and slot_mapping.dtype in (torch.int32, torch.int64)
     assert key_cache.dtype == value_cache.dtype == key.dtype == value.dtype
     # one set of cache strides serves both caches; the head_dim axis is addressed without a stride
     assert key_cache.stride() == value_cache.stride() and key_cache.stride(3) == 1
     assert key.stride(2) == 1 and value.stride(2) == 1 and slot_mapping.stride(0) == 1
-    if num_tokens == 0:
-        return
     block_d = triton.next_power_of_2(head_dim)
     block_h = min(triton.next_power_of_2(num_kv_heads), max(1, _MAX_TILE_ELEMENTS // block_d))
     grid = (num_tokens, triton.cdiv(num_kv_heads, block_h))

@@ -1,0 +1,404 @@
+"""The differential machinery: drive one schedule through a reference and a candidate backend, compare all.
+
+After every step the two must agree exactly on `snapshot()`, on every `BatchInputs` field (values,
+dtypes, shapes), on the KV caches after `write_kv` of random keys/values, and, within
+conformance.tolerance's rule, on `paged_attention`. Invalid outputs must be rejected by both with the
+same error class, leaving both snapshots unchanged. The reference is always spec; the scheduler model
+additionally checks the reference against its own bookkeeping (`expected_snapshot`).
+
+On a difference a `MismatchError` is raised whose `repro` is a self-contained Python program replaying the
+steps so far (`replay`) against the same candidate.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+import spec
+from conformance.backends import BackendHandle
+from conformance.scenario import AttentionSpec, Scenario
+from conformance.scheduler import ReferenceScheduler
+from conformance.tolerance import assert_attention_close, spec_in_dtype
+from spec.errors import ScheduleError
+from spec.types import BatchInputs, PoolSnapshot, SchedulerOutput, WorkerConfig
+
+COUNTS: collections.Counter[str] = collections.Counter()  # steps, requests, invalid; also per candidate
+
+
+@dataclass(frozen=True)
+class Step:
+    """A valid step of a reproduction: apply, prepare(pad_to), write_kv, attention, record_sampled(sampled)."""
+
+    out: SchedulerOutput
+    pad_to: int | None
+    sampled: tuple[int, ...]  # [num_reqs] per batch row
+
+
+@dataclass(frozen=True)
+class Invalid:
+    """An invalid output: both backends must raise `expected` (or at least the same class) and change nothing."""
+
+    out: SchedulerOutput
+    expected: type[ScheduleError] | None = None
+
+
+class MismatchError(AssertionError):
+    def __init__(self, message: str, repro: str = "") -> None:
+        super().__init__(message + (f"\n\nreproduction:\n{repro}" if repro else ""))
+        self.message = message
+        self.repro = repro
+
+
+# A breaker turns a valid output into an invalid one for the pool state given: (output, expected class) or None.
+Breaker = Callable[[SchedulerOutput, WorkerConfig, PoolSnapshot], "tuple[SchedulerOutput, type[ScheduleError]] | None"]
+
+
+class _Side:
+    """One backend's pool and KV caches."""
+
+    def __init__(self, handle: BackendHandle, config: WorkerConfig, attention: AttentionSpec | None) -> None:
+        self.handle = handle
+        self.pool = handle.make_pool(config)
+        self.caches: list[tuple[Any, Any]] = []
+        if attention is not None:
+            for g in config.kv_groups:
+                shape = (g.num_blocks, g.block_size, attention.num_kv_heads, attention.head_dim)
+                self.caches.append(
+                    (handle.asarray(np.zeros(shape, attention.dtype)), handle.asarray(np.zeros(shape, attention.dtype)))
+                )
+
+
+class Pair:
+    """A reference and a candidate backend fed identical inputs; every method compares what it can."""
+
+    def __init__(
+        self,
+        reference: BackendHandle,
+        candidate: BackendHandle,
+        config: WorkerConfig,
+        attention: AttentionSpec | None,
+        seed: int,
+    ) -> None:
+        self.config, self.attention = config, attention
+        self.ref = _Side(reference, config, attention)
+        self.cand = _Side(candidate, config, attention)
+        self.kv_rng = np.random.default_rng(seed)  # keys, values and queries only, so replay() draws the same
+        self.pending: Step | None = None  # the step in progress, for a reproduction that ends with it
+
+    # ---- valid steps ------------------------------------------------------------------------
+    def run_step(
+        self, out: SchedulerOutput, pad_to: int | None, sampled: Callable[[BatchInputs], Sequence[int]]
+    ) -> Step:
+        self.pending = Step(out, pad_to, ())
+        self._call("apply", lambda side: side.pool.apply(out))
+        self.compare_snapshots("after apply")
+        batches = self._call("prepare", lambda side: side.pool.prepare(out, pad_to))
+        ref_batch, cand_batch = batches
+        self.compare_batches(ref_batch, cand_batch)
+        if self.attention is not None:
+            self.compare_kv_and_attention(ref_batch, cand_batch)
+        tokens = tuple(int(t) for t in sampled(ref_batch))
+        self.pending = Step(out, pad_to, tokens)
+        ids = np.array(tokens, np.int64)
+        self.ref.pool.record_sampled(ref_batch, self.ref.handle.asarray(ids))
+        try:
+            self.cand.pool.record_sampled(cand_batch, self.cand.handle.asarray(ids))
+        except Exception as exc:
+            raise MismatchError(f"record_sampled: candidate raised {exc!r}, reference did not") from exc
+        self.compare_snapshots("after record_sampled")
+        self.pending = None
+        return Step(out, pad_to, tokens)
+
+    def _call(self, what: str, fn: Callable[[_Side], Any]) -> tuple[Any, Any]:
+        try:
+            ref = fn(self.ref)
+        except ScheduleError as exc:
+            raise MismatchError(f"{what}: the reference rejects a scheduler-model output: {exc!r}") from exc
+        try:
+            cand = fn(self.cand)
+        except Exception as exc:
+            raise MismatchError(f"{what}: candidate raised {exc!r} on a valid output") from exc
+        return ref, cand
+
+    def compare_snapshots(self, when: str, expected: PoolSnapshot | None = None) -> None:
+        ref, cand = self.ref.pool.snapshot(), self.cand.pool.snapshot()
+        if ref != cand:
+            raise MismatchError(f"snapshot {when}: {_first_difference(ref, cand)}")
+        if expected is not None and ref != expected:
+            raise MismatchError(f"snapshot {when}: reference vs scheduler model: {_first_difference(ref, expected)}")
+
+    def compare_batches(self, ref_batch: BatchInputs, cand_batch: BatchInputs) -> None:
+        ref = self.ref.handle.batch_to_numpy(ref_batch)
+        cand = self.cand.handle.batch_to_numpy(cand_batch)
+        problems = []
+        for name, want in ref.items():
+            got = cand[name]
+            if isinstance(want, tuple) and name != "req_ids":
+                problems += [
+                    _array_difference(f"{name}[{g}]", w, x) for g, (w, x) in enumerate(zip(want, got, strict=False))
+                ]
+                if len(want) != len(got):
+                    problems.append(f"{name}: {len(got)} groups, expected {len(want)}")
+            elif isinstance(want, np.ndarray):
+                problems.append(_array_difference(name, want, got))
+            elif want != got:
+                problems.append(f"{name}: {got!r}, expected {want!r}")
+        problems = [p for p in problems if p]
+        if problems:
+            raise MismatchError("BatchInputs differ:\n  " + "\n  ".join(problems))
+
+    def compare_kv_and_attention(self, ref_batch: BatchInputs, cand_batch: BatchInputs) -> None:
+        att = self.attention
+        assert att is not None
+        num_tokens, padded = ref_batch.num_tokens, ref_batch.num_tokens_padded
+        for g, group in enumerate(self.config.kv_groups):
+            kv_shape = (padded, att.num_kv_heads, att.head_dim)
+            key = self.kv_rng.standard_normal(kv_shape).astype(att.dtype)
+            value = self.kv_rng.standard_normal(kv_shape).astype(att.dtype)
+            query = self.kv_rng.standard_normal((padded, att.num_heads, att.head_dim)).astype(att.dtype)
+            (rk, rv), (ck, cv) = self.ref.caches[g], self.cand.caches[g]
+            spec.write_kv(rk, rv, key, value, ref_batch.slot_mappings[g])
+            to = self.cand.handle.asarray
+            try:
+                self.cand.handle.module.write_kv(ck, cv, to(key), to(value), cand_batch.slot_mappings[g])
+            except Exception as exc:
+                raise MismatchError(f"write_kv[{g}]: candidate raised {exc!r}") from exc
+            for which, r, c in (("key", rk, ck), ("value", rv, cv)):
+                got = self.cand.handle.to_numpy(c)
+                if not np.array_equal(got, r):
+                    where = np.argwhere(got != r)[:3].tolist()
+                    raise MismatchError(f"write_kv[{g}]: {which} cache differs at [block, offset, head, dim] {where}")
+
+            window, softcap = group.sliding_window, att.softcap
+            table, seq_lens, qsl = ref_batch.block_tables[g], ref_batch.seq_lens, ref_batch.query_start_loc
+            q64, k64, v64 = (np.asarray(a, np.float64) for a in (query, rk, rv))
+            ref64 = spec.paged_attention(
+                q64, k64, v64, table, seq_lens, qsl, scale=att.scale, sliding_window=window, softcap=softcap
+            )
+            low = spec_in_dtype(
+                spec.paged_attention, att.dtype, (query, rk, rv), table, seq_lens, qsl,
+                scale=att.scale, sliding_window=window, softcap=softcap,
+            )  # fmt: skip
+            try:
+                out = self.cand.handle.module.paged_attention(
+                    to(query), ck, cv, cand_batch.block_tables[g], cand_batch.seq_lens, cand_batch.query_start_loc,
+                    scale=att.scale, sliding_window=window, softcap=softcap,
+                )  # fmt: skip
+            except Exception as exc:
+                raise MismatchError(f"paged_attention[{g}]: candidate raised {exc!r}") from exc
+            got = np.asarray(self.cand.handle.to_numpy(out), np.float64)
+            if got.shape != ref64.shape:
+                raise MismatchError(f"paged_attention[{g}]: shape {got.shape}, expected {ref64.shape}")
+            if np.any(got[num_tokens:] != 0):
+                raise MismatchError(f"paged_attention[{g}]: padding rows {num_tokens}..{padded} are not zero")
+            try:
+                assert_attention_close(got[:num_tokens], ref64[:num_tokens], low[:num_tokens], att.dtype)
+            except AssertionError as exc:
+                raise MismatchError(f"paged_attention[{g}] (window {group.sliding_window}): {exc}") from exc
+
+    # ---- invalid steps ----------------------------------------------------------------------
+    def reject(self, out: SchedulerOutput, expected: type[ScheduleError] | None) -> type[ScheduleError]:
+        before = self.ref.pool.snapshot()
+        raised: list[type[BaseException] | None] = []
+        for side in (self.ref, self.cand):
+            try:
+                side.pool.apply(out)
+                raised.append(None)
+            except ScheduleError as exc:
+                raised.append(type(exc))
+            except Exception as exc:
+                raise MismatchError(f"invalid output: {side.handle.name} raised {exc!r}, not a ScheduleError") from exc
+        ref_cls, cand_cls = raised
+        if ref_cls is None or cand_cls is None:
+            raise MismatchError(f"invalid output accepted (reference raised {ref_cls}, candidate raised {cand_cls})")
+        if ref_cls is not cand_cls:
+            raise MismatchError(f"invalid output: reference raised {ref_cls.__name__}, candidate {cand_cls.__name__}")
+        if expected is not None and ref_cls is not expected:
+            raise MismatchError(
+                f"invalid output: both raised {ref_cls.__name__}, the mutation targets {expected.__name__}"
+            )
+        self.compare_snapshots("after a rejected output", expected=before)
+        return ref_cls  # type: ignore[return-value]
+
+
+class DifferentialRun:
+    """A scenario's scheduler driving a reference and a candidate, step by step."""
+
+    def __init__(self, scenario: Scenario, candidate: BackendHandle, reference: BackendHandle | None = None) -> None:
+        self.scenario = scenario
+        self.candidate = candidate
+        self.sched = ReferenceScheduler(scenario.config, scenario.workload, scenario.knobs, seed=scenario.seed)
+        self.pair = Pair(reference or BackendHandle("spec", spec), candidate, scenario.config, scenario.attention,
+                         scenario.seed)  # fmt: skip
+        self.sample_rng = np.random.default_rng(scenario.seed + 1)
+        self.history: list[Step | Invalid] = []
+        self.steps = 0
+        self.rejected: collections.Counter[str] = collections.Counter()
+        self._admitted = 0
+
+    def done(self) -> bool:
+        return self.sched.done()
+
+    def step(self, breaker: Breaker | None = None) -> None:
+        """One scheduler step; with a breaker, first an invalid variant of it that both must reject."""
+        try:
+            self._step(breaker)
+        except MismatchError as exc:
+            raise MismatchError(f"step {self.steps}: {exc.message}", self.repro()) from exc
+
+    def _step(self, breaker: Breaker | None) -> None:
+        config, sched = self.scenario.config, self.sched
+        out = sched.schedule()
+        pad_to = sched.pad_to(out)
+        if breaker is not None:
+            broken = breaker(out, config, self.pair.ref.pool.snapshot())
+            if broken is not None:
+                self.history.append(Invalid(*broken))
+                cls = self.pair.reject(*broken)
+                self.rejected[cls.__name__] += 1
+                COUNTS["invalid"] += 1
+        takes = set(sched.sampling_req_ids(out))
+        stops = {r: sorted(sched.requests[r].spec.stop_token_ids) for r in takes}
+
+        def sample(batch: BatchInputs) -> list[int]:
+            tokens = []
+            for req_id in batch.req_ids:
+                if stops.get(req_id) and self.sample_rng.random() < 0.1:
+                    tokens.append(int(self.sample_rng.choice(stops[req_id])))
+                else:
+                    tokens.append(int(self.sample_rng.integers(config.vocab_size)))
+            return tokens
+
+        step = self.pair.run_step(out, pad_to, sample)
+        self.history.append(step)
+        order = _batch_req_ids(out)
+        sched.update(out, {r: t for r, t in zip(order, step.sampled, strict=True) if r in takes})
+        self.pair.compare_snapshots("after the step", expected=sched.expected_snapshot())
+        self.steps += 1
+        COUNTS["steps"] += 1
+        COUNTS[f"steps[{self.candidate.name}]"] += 1
+        COUNTS["requests"] += sched.stats.admitted - self._admitted
+        self._admitted = sched.stats.admitted
+
+    def repro(self) -> str:
+        history = [*self.history, *([self.pair.pending] if self.pair.pending is not None else [])]
+        return reproduction(self.candidate.name, self.scenario.config, history, self.scenario.attention,
+                            self.scenario.seed)  # fmt: skip
+
+
+def _batch_req_ids(out: SchedulerOutput) -> list[str]:
+    """batch_idx -> req_id as DESIGN 5 orders the batch (stable sort by tokens ascending)."""
+    return [r for r, _ in sorted(out.num_scheduled_tokens.items(), key=lambda item: item[1])]
+
+
+def replay(
+    candidate: BackendHandle,
+    config: WorkerConfig,
+    steps: Sequence[Step | Invalid],
+    attention: AttentionSpec | None = None,
+    seed: int = 0,
+) -> None:
+    """Feed recorded steps to spec and `candidate`; raises MismatchError at the first difference."""
+    pair = Pair(BackendHandle("spec", spec), candidate, config, attention, seed)
+    for i, s in enumerate(steps):
+        try:
+            if isinstance(s, Invalid):
+                pair.reject(s.out, s.expected)
+            else:
+                pair.run_step(s.out, s.pad_to, lambda _batch, s=s: s.sampled)  # type: ignore[misc]
+        except MismatchError as exc:
+            raise MismatchError(f"step {i}: {exc.message}") from exc
+
+
+def reproduction(
+    backend_name: str,
+    config: WorkerConfig,
+    history: Sequence[Step | Invalid],
+    attention: AttentionSpec | None,
+    seed: int,
+) -> str:
+    lines = [
+        "from spec import *  # noqa: F403",
+        "from conformance.backends import load_backend",
+        "from conformance.differential import Invalid, Step, replay",
+        "from conformance.scenario import AttentionSpec",
+        "",
+        f"config = {config!r}",
+        "steps = [",
+        *(f"    {_repr_step(s)}," for s in history),
+        "]",
+        f"replay(load_backend({backend_name!r}), config, steps, attention={attention!r}, seed={seed!r})",
+    ]
+    return "\n".join(lines)
+
+
+def _repr_step(s: Step | Invalid) -> str:
+    if isinstance(s, Invalid):
+        expected = s.expected.__name__ if s.expected is not None else None
+        return f"Invalid({s.out!r}, {expected})"
+    return repr(s)
+
+
+def _array_difference(name: str, want: np.ndarray, got: Any) -> str:
+    got = np.asarray(got)
+    if got.dtype != want.dtype:
+        return f"{name}: dtype {got.dtype}, expected {want.dtype}"
+    if got.shape != want.shape:
+        return f"{name}: shape {got.shape}, expected {want.shape}"
+    if not np.array_equal(got, want):
+        where = np.argwhere(got != want)[:5].tolist()
+        return f"{name}: differs at {where}: got {got.tolist()}, expected {want.tolist()}"
+    return ""
+
+
+def _first_difference(a: PoolSnapshot, b: PoolSnapshot) -> str:
+    if len(a) != len(b):
+        return f"{len(b)} rows vs {len(a)}: {[r.req_id for r in b]} vs {[r.req_id for r in a]}"
+    for x, y in zip(a, b, strict=True):
+        if x != y:
+            return f"row {x.row}: {y} vs {x}"
+    return "equal"
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How much of the differential suite one backend gets: the Triton interpreter is ~100x slower."""
+
+    examples: int  # Hypothesis examples (scenarios)
+    max_steps: int  # scheduler steps per scenario (a scenario usually drains well before)
+    max_requests: int  # per workload
+    max_model_len: int
+
+
+def budget_for(backend_name: str, profile_examples: int, scale: float = 1.0) -> Budget:
+    if backend_name == "fast-interpret":
+        return Budget(max(2, round(profile_examples * scale / 8)), 8, 3, 48)
+    return Budget(max(1, round(profile_examples * scale * 4)), 200, 12, 160)
+
+
+def drive(run: DifferentialRun, max_steps: int, breaker: Callable[[], Breaker | None] | None = None) -> None:
+    """Step `run` until its workload drains or max_steps; `breaker()` may supply a breakage per step."""
+    while not run.done() and run.steps < max_steps:
+        run.step(breaker() if breaker is not None else None)
+
+
+@contextlib.contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """Small tensors on a shared 2-core machine: intra-op threads only contend (20x slower per op there)."""
+    try:
+        import torch
+    except ImportError:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -1,0 +1,382 @@
+"""Break a valid scheduler output in each way an error class names, so that exactly that check fails.
+
+`break_output(cls, out, config, snapshot, rng)` returns (invalid output, cls), or None where this
+output and pool state offer no way to produce `cls` (e.g. NullBlockError without a sliding window).
+Each mutation leaves every check that validation runs before `cls` passing (spec/validate.py's order),
+so the expected class is derived from the mutation, not from running a backend.
+`snapshot` is the pool before the output (spec's `snapshot()`), `out` is valid for it.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from spec.errors import (
+    ALL_ERRORS,
+    BlockIdError,
+    BlockTableOverflowError,
+    DuplicateRequestError,
+    DuplicateSlotError,
+    InconsistentSchedulerOutputError,
+    MissingBlockError,
+    ModelLengthError,
+    NullBlockError,
+    PoolFullError,
+    ScheduleError,
+    TokenBudgetError,
+    TokenIdError,
+    UnknownRequestError,
+    UnknownTokenError,
+)
+from spec.types import NULL_BLOCK_ID, CachedRequest, NewRequest, PoolSnapshot, SchedulerOutput, WorkerConfig
+
+Tables = list[list[int]]
+
+
+@dataclass
+class _Req:
+    """A scheduled request of `out` as it will stand after the step."""
+
+    req_id: str
+    num_computed: int
+    num_scheduled: int
+    known: int  # tokens known when the step runs
+    tables: Tables  # per group: the whole table after the step
+    is_new: bool
+
+    @property
+    def last(self) -> int:
+        return self.num_computed + self.num_scheduled - 1  # last position written
+
+
+class _Ctx:
+    def __init__(self, out: SchedulerOutput, config: WorkerConfig, snapshot: PoolSnapshot, rng: random.Random):
+        self.out, self.config, self.rng = out, config, rng
+        self.rows = {row.req_id: row for row in snapshot}
+        self.num_groups = len(config.kv_groups)
+        self.reqs: list[_Req] = []
+        for new in out.new_requests:
+            n = out.num_scheduled_tokens[new.req_id]
+            self.reqs.append(
+                _Req(
+                    new.req_id,
+                    new.num_computed_tokens,
+                    n,
+                    len(new.prompt_token_ids),
+                    [list(t) for t in new.block_ids],
+                    True,
+                )
+            )
+        for cached in out.cached_requests:
+            row, n = self.rows[cached.req_id], out.num_scheduled_tokens[cached.req_id]
+            added = cached.new_block_ids or tuple(() for _ in range(self.num_groups))
+            tables = [[*([] if cached.resumed else row.block_ids[g]), *added[g]] for g in range(self.num_groups)]
+            self.reqs.append(_Req(cached.req_id, cached.num_computed_tokens, n, len(row.token_ids), tables, False))
+
+    def free_rows_after(self) -> int:
+        held = len(self.rows) - len(self.out.finished_req_ids) + len(self.out.new_requests)
+        return self.config.max_num_reqs - held
+
+    def fresh_id(self, prefix: str) -> str:
+        taken = set(self.rows) | set(self.out.num_scheduled_tokens) | set(self.out.finished_req_ids)
+        i = 0
+        while f"{prefix}-{i}" in taken:
+            i += 1
+        return f"{prefix}-{i}"
+
+    def pick(self, reqs: list[_Req]) -> _Req | None:
+        return self.rng.choice(reqs) if reqs else None
+
+    def unused_blocks(self, g: int, count: int, avoid: set[int]) -> list[int] | None:
+        """`count` distinct real block ids of group g outside `avoid`, or None if there are not enough."""
+        num_blocks = self.config.kv_groups[g].num_blocks
+        if num_blocks - 1 - len(avoid - {NULL_BLOCK_ID}) < count:
+            return None
+        chosen: list[int] = []
+        candidates = range(1, num_blocks) if num_blocks < 4096 else None
+        while len(chosen) < count:
+            b = self.rng.choice(candidates) if candidates is not None else self.rng.randrange(1, num_blocks)
+            if b not in avoid and b not in chosen:
+                chosen.append(b)
+        return chosen
+
+    def written_blocks(self, g: int) -> set[int]:
+        """Blocks of group g that some scheduled token of `out` writes."""
+        bs = self.config.kv_groups[g].block_size
+        return {r.tables[g][p // bs] for r in self.reqs for p in range(r.num_computed, r.last + 1)}
+
+
+def _with_tables(out: SchedulerOutput, req_id: str, tables: Tables) -> SchedulerOutput:
+    """`out` with req_id's whole table replaced: block_ids of a new request, a resumed table for a cached one."""
+    blocks = tuple(tuple(t) for t in tables)
+    news = tuple(replace(r, block_ids=blocks) if r.req_id == req_id else r for r in out.new_requests)
+    cached = tuple(
+        replace(r, new_block_ids=blocks, resumed=True) if r.req_id == req_id else r for r in out.cached_requests
+    )
+    return replace(out, new_requests=news, cached_requests=cached)
+
+
+def _with_computed(out: SchedulerOutput, req_id: str, num_computed: int) -> SchedulerOutput:
+    news = tuple(replace(r, num_computed_tokens=num_computed) if r.req_id == req_id else r for r in out.new_requests)
+    cached = tuple(
+        replace(r, num_computed_tokens=num_computed) if r.req_id == req_id else r for r in out.cached_requests
+    )
+    return replace(out, new_requests=news, cached_requests=cached)
+
+
+def _add_new(out: SchedulerOutput, request: NewRequest, n: int) -> SchedulerOutput:
+    return replace(
+        out,
+        new_requests=(*out.new_requests, request),
+        num_scheduled_tokens={**out.num_scheduled_tokens, request.req_id: n},
+    )
+
+
+def _empty_tables(ctx: _Ctx) -> tuple[tuple[int, ...], ...]:
+    return tuple(() for _ in range(ctx.num_groups))
+
+
+# ---- one breaker per class, in validation order ---------------------------------------------------
+def _inconsistent(ctx: _Ctx) -> SchedulerOutput | None:
+    out = ctx.out
+    options: list[Callable[[], SchedulerOutput]] = [
+        lambda: replace(out, num_scheduled_tokens={**out.num_scheduled_tokens, ctx.fresh_id("ghost"): 1}),
+    ]
+    if ctx.reqs:
+        r = ctx.pick(ctx.reqs)
+        assert r is not None
+        options += [
+            lambda: replace(out, num_scheduled_tokens={**out.num_scheduled_tokens, r.req_id: 0}),  # zero-length row
+            lambda: replace(
+                out, num_scheduled_tokens={k: v for k, v in out.num_scheduled_tokens.items() if k != r.req_id}
+            ),
+            lambda: replace(out, finished_req_ids=out.finished_req_ids | {r.req_id}),
+            lambda: _with_computed(out, r.req_id, -1),
+        ]
+    if out.new_requests:
+        new = ctx.rng.choice(out.new_requests)
+        options.append(lambda: _replace_new(out, new.req_id, block_ids=(*new.block_ids, ())))
+    if out.cached_requests:
+        options.append(lambda: replace(out, cached_requests=(*out.cached_requests, out.cached_requests[0])))
+    return ctx.rng.choice(options)()
+
+
+def _replace_new(out: SchedulerOutput, req_id: str, **changes: object) -> SchedulerOutput:
+    news = tuple(replace(r, **changes) if r.req_id == req_id else r for r in out.new_requests)  # type: ignore[arg-type]
+    return replace(out, new_requests=news)
+
+
+def _unknown_request(ctx: _Ctx) -> SchedulerOutput | None:
+    out, ghost = ctx.out, ctx.fresh_id("ghost")
+    if ctx.rng.random() < 0.5:
+        return replace(out, finished_req_ids=out.finished_req_ids | {ghost})
+    return replace(
+        out,
+        cached_requests=(*out.cached_requests, CachedRequest(ghost, 0)),
+        num_scheduled_tokens={**out.num_scheduled_tokens, ghost: 1},
+    )
+
+
+def _duplicate_request(ctx: _Ctx) -> SchedulerOutput | None:
+    out = ctx.out
+    listed = set(out.num_scheduled_tokens) | set(out.finished_req_ids)
+    idle = [r for r in ctx.rows if r not in listed]
+    if idle:
+        return _add_new(out, NewRequest(ctx.rng.choice(idle), (0,), _empty_tables(ctx)), 1)
+    if out.cached_requests:  # the cached request reappears as a new one (and is no longer listed as cached)
+        victim = ctx.rng.choice(out.cached_requests)
+        rest = tuple(c for c in out.cached_requests if c is not victim)
+        return replace(
+            out,
+            cached_requests=rest,
+            new_requests=(*out.new_requests, NewRequest(victim.req_id, (0,), _empty_tables(ctx))),
+        )
+    return None
+
+
+def _pool_full(ctx: _Ctx) -> SchedulerOutput | None:
+    out = ctx.out
+    for _ in range(ctx.free_rows_after() + 1):
+        out = _add_new(
+            out, NewRequest(ctx.fresh_id("extra") + f"-{len(out.new_requests)}", (0,), _empty_tables(ctx)), 1
+        )
+    return out
+
+
+def _token_budget(ctx: _Ctx) -> SchedulerOutput | None:
+    out, budget = ctx.out, ctx.config.max_num_batched_tokens
+    extra = budget - out.total_num_scheduled_tokens + 1
+    if ctx.reqs:
+        r = ctx.rng.choice(ctx.reqs)
+        return replace(out, num_scheduled_tokens={**out.num_scheduled_tokens, r.req_id: r.num_scheduled + extra})
+    if ctx.free_rows_after() > 0:
+        return _add_new(out, NewRequest(ctx.fresh_id("big"), (0,), _empty_tables(ctx)), extra)
+    return None
+
+
+def _token_id(ctx: _Ctx) -> SchedulerOutput | None:
+    out, vocab = ctx.out, ctx.config.vocab_size
+    bad = ctx.rng.choice((vocab, vocab + 7, -1))
+    if out.new_requests:
+        new = ctx.rng.choice(out.new_requests)
+        prompt = list(new.prompt_token_ids)
+        prompt[ctx.rng.randrange(len(prompt))] = bad
+        return _replace_new(out, new.req_id, prompt_token_ids=tuple(prompt))
+    if ctx.free_rows_after() > 0 and out.total_num_scheduled_tokens < ctx.config.max_num_batched_tokens:
+        return _add_new(out, NewRequest(ctx.fresh_id("bad"), (bad,), _empty_tables(ctx)), 1)
+    return None
+
+
+def _model_length(ctx: _Ctx) -> SchedulerOutput | None:
+    out, limit = ctx.out, ctx.config.max_model_len
+    if out.new_requests and ctx.rng.random() < 0.5:
+        new = ctx.rng.choice(out.new_requests)
+        return _replace_new(out, new.req_id, prompt_token_ids=(0,) * (limit + 1))
+    r = ctx.pick(ctx.reqs)
+    if r is None:
+        return None
+    return _with_computed(out, r.req_id, limit - r.num_scheduled + 1)  # seq_len = max_model_len + 1
+
+
+def _unknown_token(ctx: _Ctx) -> SchedulerOutput | None:
+    r = ctx.pick([r for r in ctx.reqs if r.known < ctx.config.max_model_len])
+    if r is None:
+        return None
+    return _with_computed(ctx.out, r.req_id, r.known - r.num_scheduled + 1)  # reads position `known`
+
+
+def _block_id(ctx: _Ctx) -> SchedulerOutput | None:
+    r = ctx.pick(ctx.reqs)
+    if r is None:
+        return None
+    g = ctx.rng.randrange(ctx.num_groups)
+    group, table = ctx.config.kv_groups[g], list(r.tables[g])
+    real = [b for b in table if b != NULL_BLOCK_ID]
+    options = [group.num_blocks, group.num_blocks + 3, -1]  # out of range
+    if real:
+        options.append(ctx.rng.choice(real))  # repeated in one table
+    if group.sliding_window is None:
+        options.append(NULL_BLOCK_ID)  # the null block where no window allows it
+    table.insert(ctx.rng.randint(0, len(table)), ctx.rng.choice(options))
+    return _with_tables(ctx.out, r.req_id, [table if i == g else t for i, t in enumerate(r.tables)])
+
+
+def _table_overflow(ctx: _Ctx) -> SchedulerOutput | None:
+    r = ctx.pick(ctx.reqs)
+    if r is None:
+        return None
+    for g in ctx.rng.sample(range(ctx.num_groups), ctx.num_groups):
+        table, group = r.tables[g], ctx.config.kv_groups[g]
+        missing = ctx.config.max_blocks_per_req(g) + 1 - len(table)
+        if group.sliding_window is not None and ctx.rng.random() < 0.5:
+            extra = [NULL_BLOCK_ID] * missing  # nulls may repeat in a window group
+        else:
+            found = ctx.unused_blocks(g, missing, set(table))
+            if found is None:
+                continue
+            extra = found
+        return _with_tables(ctx.out, r.req_id, [t + extra if i == g else t for i, t in enumerate(r.tables)])
+    return None
+
+
+def _missing_block(ctx: _Ctx) -> SchedulerOutput | None:
+    r = ctx.pick(ctx.reqs)
+    if r is None:
+        return None
+    g = ctx.rng.randrange(ctx.num_groups)
+    keep = r.last // ctx.config.kv_groups[g].block_size  # the last written position's block goes
+    return _with_tables(ctx.out, r.req_id, [t[:keep] if i == g else t for i, t in enumerate(r.tables)])
+
+
+def _null_block(ctx: _Ctx) -> SchedulerOutput | None:
+    windows = [g for g, group in enumerate(ctx.config.kv_groups) if group.sliding_window is not None]
+    r = ctx.pick(ctx.reqs)
+    if r is None or not windows:
+        return None
+    g = ctx.rng.choice(windows)
+    bs = ctx.config.kv_groups[g].block_size
+    position = ctx.rng.randint(r.num_computed, r.last)  # a written position: always read or written
+    table = list(r.tables[g])
+    table[position // bs] = NULL_BLOCK_ID
+    return _with_tables(ctx.out, r.req_id, [table if i == g else t for i, t in enumerate(r.tables)])
+
+
+def _duplicate_slot(ctx: _Ctx) -> SchedulerOutput | None:
+    """Point a second writer at a slot some scheduled token already writes."""
+    g = ctx.rng.randrange(ctx.num_groups)
+    bs = ctx.config.kv_groups[g].block_size
+    writers = ctx.rng.sample(ctx.reqs, len(ctx.reqs))
+    for a in writers:
+        pos_a = ctx.rng.randint(a.num_computed, a.last)
+        block_a, offset = a.tables[g][pos_a // bs], pos_a % bs
+        for b in writers:
+            if b is a:
+                continue
+            positions = [p for p in range(b.num_computed, b.last + 1) if p % bs == offset]
+            if not positions:
+                continue
+            index = ctx.rng.choice(positions) // bs
+            if block_a in b.tables[g]:
+                continue  # would repeat a block in b's table (BlockIdError)
+            table = list(b.tables[g])
+            table[index] = block_a
+            return _with_tables(ctx.out, b.req_id, [table if i == g else t for i, t in enumerate(b.tables)])
+    # no second writer fits: a new request writes offsets 0..offset of that block
+    if not ctx.reqs or ctx.free_rows_after() < 1:
+        return None
+    a = ctx.rng.choice(ctx.reqs)
+    pos_a = ctx.rng.randint(a.num_computed, a.last)
+    block_a, offset = a.tables[g][pos_a // bs], pos_a % bs
+    if ctx.out.total_num_scheduled_tokens + offset + 1 > ctx.config.max_num_batched_tokens:
+        return None
+    tables: list[tuple[int, ...]] = []
+    for h, group in enumerate(ctx.config.kv_groups):
+        if h == g:
+            tables.append((block_a,))
+            continue
+        found = ctx.unused_blocks(h, math.ceil((offset + 1) / group.block_size), ctx.written_blocks(h))
+        if found is None:
+            return None
+        tables.append(tuple(found))
+    return _add_new(ctx.out, NewRequest(ctx.fresh_id("dup"), (0,) * (offset + 1), tuple(tables)), offset + 1)
+
+
+BREAKERS: dict[type[ScheduleError], Callable[[_Ctx], SchedulerOutput | None]] = {
+    InconsistentSchedulerOutputError: _inconsistent,
+    UnknownRequestError: _unknown_request,
+    DuplicateRequestError: _duplicate_request,
+    PoolFullError: _pool_full,
+    TokenBudgetError: _token_budget,
+    TokenIdError: _token_id,
+    ModelLengthError: _model_length,
+    UnknownTokenError: _unknown_token,
+    BlockIdError: _block_id,
+    BlockTableOverflowError: _table_overflow,
+    MissingBlockError: _missing_block,
+    NullBlockError: _null_block,
+    DuplicateSlotError: _duplicate_slot,
+}
+assert set(BREAKERS) == set(ALL_ERRORS), "every error class needs a way to provoke it"
+
+
+def break_output(
+    cls: type[ScheduleError], out: SchedulerOutput, config: WorkerConfig, snapshot: PoolSnapshot, rng: random.Random
+) -> tuple[SchedulerOutput, type[ScheduleError]] | None:
+    broken = BREAKERS[cls](_Ctx(out, config, snapshot, rng))
+    return None if broken is None else (broken, cls)
+
+
+def breaker(
+    cls: type[ScheduleError], rng: random.Random
+) -> Callable[[SchedulerOutput, WorkerConfig, PoolSnapshot], tuple[SchedulerOutput, type[ScheduleError]] | None]:
+    """`break_output` bound to a class and a random source: a `conformance.differential.Breaker`."""
+
+    def apply(
+        out: SchedulerOutput, config: WorkerConfig, snapshot: PoolSnapshot
+    ) -> tuple[SchedulerOutput, type[ScheduleError]] | None:
+        return break_output(cls, out, config, snapshot, rng)
+
+    return apply

@@ -1,0 +1,104 @@
+"""A scenario: one config, workload and scheduler setting for the differential suite to run.
+
+`random_scenario(seed)` draws one with Python's random (for `slotmap check`); conformance.strategies
+draws the same type from Hypothesis. Both use the ranges below, so the two explore the same space.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+from conformance.scheduler import SchedulerKnobs, Workload, make_workload
+from spec.types import KVCacheGroup, WorkerConfig
+
+BLOCK_SIZES = (1, 2, 3, 4, 5, 7, 8, 12, 16, 17, 24, 31, 32, 48, 63, 64)  # powers of two and not
+MAX_MODEL_LEN = 160
+KV_CACHE_ELEMENT_LIMIT = 1 << 21  # larger caches ("huge num_blocks") skip the KV and attention comparisons
+HUGE_SLOTS = 1 << 31  # a huge group's slots reach past int32
+MAX_BLOCKS = 1 << 31  # block ids are int32 (spec.types.BLOCK_ID_DTYPE)
+ATTENTION_DTYPES = ("float32", "float16")
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """KV cache and attention shapes for a scenario; every group of the config uses them."""
+
+    num_kv_heads: int
+    num_queries_per_kv: int  # GQA group size
+    head_dim: int
+    dtype: str  # float32 or float16
+    softcap: float | None = None
+
+    @property
+    def num_heads(self) -> int:
+        return self.num_kv_heads * self.num_queries_per_kv
+
+    @property
+    def scale(self) -> float:
+        return 1.0 / math.sqrt(self.head_dim)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    config: WorkerConfig
+    workload: Workload
+    knobs: SchedulerKnobs
+    attention: AttentionSpec | None  # None: the caches would be too large, compare pool and batch only
+    seed: int  # the scheduler's and the random keys/values/samples'
+
+
+def min_blocks(config_max_model_len: int, block_size: int) -> int:
+    """The fewest blocks with which one request can always run alone: every table entry distinct, plus null."""
+    return math.ceil(config_max_model_len / block_size) + 1
+
+
+def cache_elements(config: WorkerConfig, attention: AttentionSpec) -> int:
+    return sum(g.num_blocks * g.block_size for g in config.kv_groups) * attention.num_kv_heads * attention.head_dim
+
+
+def random_scenario(seed: int) -> Scenario:
+    rng = random.Random(seed)
+    max_model_len = rng.randint(2, MAX_MODEL_LEN)
+    max_num_reqs = rng.randint(1, 8)
+    groups = []
+    for _ in range(rng.randint(1, 3)):
+        block_size = rng.choice(BLOCK_SIZES)
+        least = min_blocks(max_model_len, block_size)
+        size = rng.choice(("tiny", "small", "roomy", "huge"))
+        num_blocks = {
+            "tiny": least,
+            "small": least + rng.randint(1, 8),
+            "roomy": least * max_num_reqs + 1,
+            "huge": min(HUGE_SLOTS // block_size + rng.randint(1, 1000), MAX_BLOCKS),
+        }[size]
+        window = rng.randint(1, max_model_len) if rng.random() < 0.3 else None
+        groups.append(KVCacheGroup(block_size, num_blocks, window))
+    config = WorkerConfig(max_num_reqs, max_model_len, rng.randint(1, 256), rng.randint(2, 1000), tuple(groups))
+    knobs = SchedulerKnobs(
+        token_budget=rng.choice((None, rng.randint(1, config.max_num_batched_tokens))),
+        max_running=rng.choice((None, rng.randint(1, max_num_reqs))),
+        max_chunk=rng.choice((None, rng.randint(1, 32))),
+        enable_prefix_caching=rng.random() < 0.8,
+        allocation_order=rng.choice(("ascending", "descending", "random")),
+        reuse_freed_first=rng.random() < 0.5,
+        pad_buckets=rng.choice(((), (8, 16, 32, 64, 128, 256), (rng.randint(1, 300),))),
+        abort_prob=rng.choice((0.0, 0.0, 0.05)),
+        shuffle_order=rng.random() < 0.5,
+    )
+    workload = make_workload(
+        rng.randrange(2**32),
+        config,
+        num_requests=rng.randint(1, 12),
+        max_arrival_step=rng.randint(0, 12),
+        num_prefixes=rng.randint(0, 3),
+        max_new_tokens=rng.randint(1, 24),
+    )
+    attention: AttentionSpec | None = AttentionSpec(
+        rng.randint(1, 2), rng.randint(1, 2), rng.choice((2, 4, 8)), rng.choice(ATTENTION_DTYPES),
+        rng.choice((None, None, 5.0)),
+    )  # fmt: skip
+    if attention is not None and cache_elements(config, attention) > KV_CACHE_ELEMENT_LIMIT:
+        attention = None
+    return Scenario(config, workload, knobs, attention, rng.randrange(2**32))

@@ -1,0 +1,51 @@
+"""A reference scheduler model that produces realistic, valid SchedulerOutputs from a seed.
+
+Usage (every output is valid for the spec pool; `expected_snapshot()` says what the pool must hold):
+
+    from conformance.scheduler import ReferenceScheduler, SchedulerKnobs, make_workload
+
+    workload = make_workload(seed, config, num_requests=8, max_arrival_step=8, num_prefixes=2)
+    sched = ReferenceScheduler(config, workload, knobs=SchedulerKnobs(pad_buckets=(8, 32, 128)), seed=seed)
+    while not sched.done():
+        out = sched.schedule()                      # may schedule nothing (e.g. before the first arrival)
+        pad_to = sched.pad_to(out)                  # None, or a bucket >= out.total_num_scheduled_tokens
+        pool.apply(out)
+        batch = pool.prepare(out, pad_to)
+        takes = sched.sampling_req_ids(out)         # the requests whose step reaches their last known token
+        sampled = [token_for(r) for r in batch.req_ids]  # one per batch row; rows not in `takes` are discarded
+        pool.record_sampled(batch, sampled)
+        sched.update(out, {r: t for r, t in zip(batch.req_ids, sampled) if r in takes})
+        assert pool.snapshot() == sched.expected_snapshot()
+    sched.stats  # preemptions, prefix_hit_tokens, full_prefix_hits, window_releases, finished, block_usage, ...
+
+Finishing: a request finishes when it samples one of its stop tokens or reaches max_new_tokens (or
+max_model_len); its row is released in the next output's finished_req_ids. The abort knob finishes
+a live request in the current output. Hypothesis strategies for all of these live in
+conformance.strategies; the differential driver in conformance.differential.
+"""
+
+from conformance.scheduler.allocator import BlockAllocator
+from conformance.scheduler.knobs import SchedulerKnobs
+from conformance.scheduler.scheduler import ReferenceScheduler
+from conformance.scheduler.stats import SchedulerStats
+from conformance.scheduler.workload import (
+    RequestShape,
+    Workload,
+    WorkloadRequest,
+    WorkloadShape,
+    build_workload,
+    make_workload,
+)
+
+__all__ = [
+    "BlockAllocator",
+    "ReferenceScheduler",
+    "RequestShape",
+    "SchedulerKnobs",
+    "SchedulerStats",
+    "Workload",
+    "WorkloadRequest",
+    "WorkloadShape",
+    "build_workload",
+    "make_workload",
+]

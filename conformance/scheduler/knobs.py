@@ -1,0 +1,18 @@
+"""The scheduler model's knobs: each one moves the outputs into a different corner of the interface."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SchedulerKnobs:
+    token_budget: int | None = None  # tokens per step, at most config.max_num_batched_tokens
+    max_running: int | None = None  # requests scheduled per step, at most config.max_num_reqs
+    max_chunk: int | None = None  # longest prefill chunk of one request per step (chunked prefill)
+    enable_prefix_caching: bool = True
+    allocation_order: str = "ascending"  # fresh block ids: ascending, descending or random
+    reuse_freed_first: bool = False  # hand out freed blocks before fresh ones (stale ids get reused)
+    pad_buckets: tuple[int, ...] = ()  # pad each step's token count up to the smallest bucket that fits
+    abort_prob: float = 0.0  # chance per step that one live request is aborted (finished without output)
+    shuffle_order: bool = False  # shuffle num_scheduled_tokens' order (the batch sort's tie-break)

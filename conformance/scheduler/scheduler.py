@@ -1,0 +1,404 @@
+"""A reference scheduler model: continuous batching over a block allocator, emitting valid SchedulerOutputs.
+
+Per step (`schedule`):
+ 1. rows of requests finished since the last step are released (`finished_req_ids`); arrivals join
+    the waiting queue; the abort knob may abort one live request.
+ 2. running requests, in admission order, get `min(remaining, budget, max_chunk)` tokens: a decode
+    (1 token) or the next prefill chunk. Sliding-window groups first release blocks that fell out of
+    the window. When blocks run out, the newest running request is preempted (recompute: its blocks
+    are freed, it keeps its row, and later resumes with `resumed=True` and a fresh table).
+ 3. waiting requests (preempted ones first) are admitted while budget, rows and blocks last, reusing
+    cached prefix blocks (chained block hashes; a hit is cut to a multiple of every group's block size,
+    except that a fully cached sequence recomputes just its last token inside the shared block).
+
+Two constraints of the pool shape the model beyond vLLM's: a block may not appear twice in one row's
+table, and the pool never learns that a window released a block (the id stays in the row's table), so
+a request is never handed a block still listed in its own row; and no two tokens of one step may
+write one slot, so two full-cache hits that would recompute into the same shared slot are not
+admitted in the same step.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+from conformance.scheduler.allocator import BlockAllocator
+from conformance.scheduler.knobs import SchedulerKnobs
+from conformance.scheduler.request import SchedRequest, Status
+from conformance.scheduler.stats import SchedulerStats
+from conformance.scheduler.workload import Workload
+from spec.types import NULL_BLOCK_ID, CachedRequest, NewRequest, RowSnapshot, SchedulerOutput, WorkerConfig
+
+
+class ReferenceScheduler:
+    def __init__(
+        self, config: WorkerConfig, workload: Workload, knobs: SchedulerKnobs | None = None, seed: int = 0
+    ) -> None:
+        self.config = config
+        self.knobs = knobs = knobs or SchedulerKnobs()
+        self.rng = random.Random(seed)
+        self.groups = config.kv_groups
+        self.allocators = [
+            BlockAllocator(g.num_blocks, knobs.allocation_order, knobs.reuse_freed_first, seed=seed * 31 + i)
+            for i, g in enumerate(self.groups)
+        ]
+        ids = [r.req_id for r in workload.requests]
+        if len(set(ids)) != len(ids):
+            raise ValueError("workload req_ids must be unique")
+        self.requests = {r.req_id: SchedRequest(r, len(self.groups)) for r in workload.requests}
+        self._arrivals = sorted(self.requests.values(), key=lambda r: r.spec.arrival_step)  # stable
+        self.waiting: list[SchedRequest] = []  # preempted requests first, then arrivals in order
+        self.running: list[SchedRequest] = []  # admission order: the tail is preempted first
+        self.rows: list[str | None] = [None] * config.max_num_reqs  # the pool's rows, as the pool will hold them
+        self.pool_num_computed: dict[str, int] = {}  # the num_computed_tokens last sent for each row holder
+        self._to_release: list[str] = []  # finished since the last output: their rows go in the next one
+        self._last: SchedulerOutput | None = None
+        self._sampling: tuple[str, ...] = ()
+        self.step_index = 0
+        self.stats = SchedulerStats()
+        self.token_budget = min(knobs.token_budget or config.max_num_batched_tokens, config.max_num_batched_tokens)
+        self.max_running = min(knobs.max_running or config.max_num_reqs, config.max_num_reqs)
+        self.max_chunk = knobs.max_chunk or config.max_model_len
+
+    # ---- public API -------------------------------------------------------------------------
+    def done(self) -> bool:
+        return not (self._arrivals or self.waiting or self.running or self._to_release or self._last)
+
+    def schedule(self) -> SchedulerOutput:
+        if self._last is not None:
+            raise RuntimeError("update() the previous output before scheduling the next one")
+        finished = self._to_release
+        self._to_release = []
+        self._arrive()
+        if self.knobs.abort_prob and self.rng.random() < self.knobs.abort_prob:
+            self._abort_one(finished)
+        step = _Step(self.token_budget, [set() for _ in self.groups])
+        self._schedule_running(step, finished)
+        self._schedule_waiting(step, finished)
+
+        for req_id in finished:
+            self.rows[self.rows.index(req_id)] = None
+            self.pool_num_computed.pop(req_id, None)
+        for new in step.new:  # lowest free row, in the order given
+            self.rows[self.rows.index(None)] = new.req_id
+        for req_id, _ in step.scheduled:
+            self.pool_num_computed[req_id] = self.requests[req_id].num_computed
+        scheduled = list(step.scheduled)
+        if self.knobs.shuffle_order:
+            self.rng.shuffle(scheduled)
+        out = SchedulerOutput(
+            new_requests=tuple(step.new),
+            cached_requests=tuple(step.cached),
+            num_scheduled_tokens=dict(scheduled),
+            finished_req_ids=frozenset(finished),
+        )
+        self._sampling = tuple(
+            r for r, n in step.scheduled if self.requests[r].num_computed + n == self.requests[r].num_tokens
+        )
+        self._last = out
+        self.step_index += 1
+        self.stats.steps += 1
+        self.stats.scheduled_tokens += out.total_num_scheduled_tokens
+        self.stats.block_usage.append([a.num_used for a in self.allocators])
+        return out
+
+    def pad_to(self, out: SchedulerOutput) -> int | None:
+        """The smallest padding bucket holding the step's tokens, or None (no padding)."""
+        total = out.total_num_scheduled_tokens
+        fitting = [b for b in self.knobs.pad_buckets if b >= total]
+        if not fitting:
+            return None
+        self.stats.padded_steps += 1
+        return min(fitting)
+
+    def sampling_req_ids(self, out: SchedulerOutput) -> tuple[str, ...]:
+        """Requests of `out` whose step reaches their last known token: exactly those that get a sampled token."""
+        if out is not self._last:
+            raise RuntimeError("not the output being executed")
+        return self._sampling
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> None:
+        """The step ran: advance progress, cache full blocks, append sampled tokens, finish requests."""
+        if out is not self._last:
+            raise RuntimeError("update() must receive the output of the last schedule()")
+        if set(sampled) != set(self._sampling):
+            raise ValueError(f"sampled tokens for {sorted(sampled)}, expected {sorted(self._sampling)}")
+        for req_id, n in out.num_scheduled_tokens.items():
+            req = self.requests[req_id]
+            req.num_computed += n
+            self._register_full_blocks(req)
+        for req_id in self._sampling:
+            req, token = self.requests[req_id], int(sampled[req_id])
+            req.tokens.append(token)
+            req.num_output += 1
+            if token in req.spec.stop_token_ids:
+                self.stats.stopped_by_token += 1
+                self._finish(req)
+            elif req.num_output >= req.spec.max_new_tokens or req.num_tokens >= self.config.max_model_len:
+                self._finish(req)
+        self._last = None
+        self._sampling = ()
+
+    def expected_snapshot(self) -> tuple[RowSnapshot, ...]:
+        """The pool's snapshot after the last output was applied and its samples recorded (derived here)."""
+        return tuple(
+            RowSnapshot(
+                row=row,
+                req_id=req_id,
+                token_ids=tuple(self.requests[req_id].tokens),
+                num_computed_tokens=self.pool_num_computed[req_id],
+                block_ids=tuple(tuple(t) for t in self.requests[req_id].pool_tables),
+            )
+            for row, req_id in enumerate(self.rows)
+            if req_id is not None
+        )
+
+    # ---- one step ---------------------------------------------------------------------------
+    def _arrive(self) -> None:
+        while self._arrivals and self._arrivals[0].spec.arrival_step <= self.step_index:
+            self.waiting.append(self._arrivals.pop(0))
+
+    def _schedule_running(self, step: _Step, finished: list[str]) -> None:
+        i = 0
+        while i < len(self.running) and step.budget > 0 and len(step.scheduled) < self.max_running:
+            req = self.running[i]
+            self._release_out_of_window(req)
+            want = min(req.num_tokens - req.num_computed, step.budget, self.max_chunk)
+            n = self._make_room(req, want, step, finished)
+            if n == 0:
+                continue  # req left the running list (preempted or aborted); index i is the next one
+            new_ids = self._grow(req, n)
+            step.add(req.req_id, n)
+            step.cached.append(
+                CachedRequest(req.req_id, req.num_computed, new_ids if any(new_ids) else None, resumed=False)
+            )
+            i += 1
+
+    def _make_room(self, req: SchedRequest, want: int, step: _Step, finished: list[str]) -> int:
+        """Tokens `req` can run now, preempting newer running requests for blocks; 0 if req itself left."""
+        while True:
+            fit = self._fit(req, req.num_computed, [len(t) for t in req.blocks], want, exclude=req.pool_tables)
+            if fit == want:
+                return want
+            if self.running[-1] is not req:
+                self._preempt(self.running[-1], step)
+                continue
+            if fit > 0:
+                return fit  # the newest request: runs a shorter chunk rather than preempting itself
+            if len(self.running) > 1:
+                self._preempt(req, step)
+            else:  # alone and still no block: it can never run in this configuration
+                self.stats.unfittable += 1
+                if self._drop(req):
+                    finished.append(req.req_id)
+            return 0
+
+    def _schedule_waiting(self, step: _Step, finished: list[str]) -> None:
+        rows_held = sum(r is not None for r in self.rows) - len(finished)
+        for req in list(self.waiting):
+            if step.budget == 0 or len(step.scheduled) >= self.max_running:
+                return
+            if req.req_id in step.preempted:
+                continue  # preempted in this very step: not back before the next one
+            if req.status is Status.WAITING and rows_held >= self.config.max_num_reqs:
+                continue
+            plan = self._admission_plan(req, step)
+            if plan is None:
+                return  # first come, first served: wait for blocks to free up
+            if plan.collides:
+                continue  # its recomputed slot is written by another hit this step: next step
+            self._admit(req, plan, step)
+            rows_held += plan.is_new
+
+    def _admission_plan(self, req: SchedRequest, step: _Step) -> _Admission | None:
+        computed, hits = self._prefix_hit(req)
+        tables: list[list[int]] = []
+        for g, group in enumerate(self.groups):
+            first_needed = max(0, computed - group.sliding_window + 1) if group.sliding_window else 0
+            tables.append([NULL_BLOCK_ID if j < first_needed // group.block_size else b for j, b in enumerate(hits[g])])
+        want = min(req.num_tokens - computed, step.budget, self.max_chunk)
+        revived = [
+            sum(1 for b in t if b != NULL_BLOCK_ID and self.allocators[g].is_free(b)) for g, t in enumerate(tables)
+        ]
+        n = self._fit(req, computed, [len(t) for t in tables], want, exclude=(), reserved=revived)
+        if n <= 0:
+            return None
+        writes: list[list[int]] = []
+        for g, group in enumerate(self.groups):  # only a recomputed last token can land in a shared block
+            bs, table = group.block_size, tables[g]
+            slots = [table[p // bs] * bs + p % bs for p in range(computed, min(computed + n, len(table) * bs))]
+            writes.append(slots)
+        collides = any(step.written[g].intersection(w) for g, w in enumerate(writes))
+        return _Admission(computed, n, tables, writes, req.status is Status.WAITING, collides)
+
+    def _admit(self, req: SchedRequest, plan: _Admission, step: _Step) -> None:
+        for g, table in enumerate(plan.tables):
+            for b in table:
+                if b != NULL_BLOCK_ID:
+                    self.allocators[g].touch(b)
+            step.written[g].update(plan.writes[g])
+        req.blocks = [list(t) for t in plan.tables]
+        req.pool_tables = [list(t) for t in plan.tables]  # a new or resumed request replaces its row's table
+        req.num_computed = plan.computed
+        req.num_hashed = [0] * len(self.groups)
+        self._grow(req, plan.num_tokens)
+        tables = tuple(tuple(t) for t in req.blocks)
+        self.waiting.remove(req)
+        self.running.append(req)
+        self.stats.prefix_hit_tokens += plan.computed
+        self.stats.full_prefix_hits += any(plan.writes)
+        if plan.is_new:
+            step.new.append(NewRequest(req.req_id, tuple(req.tokens), tables, plan.computed))
+            self.stats.admitted += 1
+        else:
+            step.cached.append(CachedRequest(req.req_id, plan.computed, tables, resumed=True))
+            self.stats.resumptions += 1
+        req.status = Status.RUNNING
+        step.add(req.req_id, plan.num_tokens)
+
+    # ---- blocks -----------------------------------------------------------------------------
+    def _fit(
+        self,
+        req: SchedRequest,
+        start: int,
+        table_lens: list[int],
+        want: int,
+        exclude: list[list[int]] | tuple[()],
+        reserved: list[int] | None = None,
+    ) -> int:
+        """Most tokens <= want, from position `start`, whose missing blocks every group can allocate now."""
+        fit = want
+        for g, group in enumerate(self.groups):
+            avoid = exclude[g] if exclude else ()
+            free = self.allocators[g].free_blocks_outside(avoid) - (reserved[g] if reserved else 0)
+            fit = min(fit, (table_lens[g] + max(free, 0)) * group.block_size - start)
+        return max(fit, 0)
+
+    def _grow(self, req: SchedRequest, n: int) -> tuple[tuple[int, ...], ...]:
+        """Allocate the blocks positions [num_computed, num_computed + n) still lack, per group."""
+        added = []
+        for g, group in enumerate(self.groups):
+            need = math.ceil((req.num_computed + n) / group.block_size) - len(req.blocks[g])
+            new = self.allocators[g].allocate(max(need, 0), exclude=set(req.pool_tables[g]))
+            req.blocks[g] += new
+            req.pool_tables[g] += new
+            added.append(tuple(new))
+        return tuple(added)
+
+    def _release_out_of_window(self, req: SchedRequest) -> None:
+        for g, group in enumerate(self.groups):
+            if group.sliding_window is None:
+                continue
+            first_needed = max(0, req.num_computed - group.sliding_window + 1)  # oldest key a new query reads
+            for j in range(min(first_needed // group.block_size, len(req.blocks[g]))):
+                if req.blocks[g][j] != NULL_BLOCK_ID:
+                    self.allocators[g].release(req.blocks[g][j])
+                    req.blocks[g][j] = NULL_BLOCK_ID
+                    self.stats.window_releases += 1
+
+    def _prefix_hit(self, req: SchedRequest) -> tuple[int, list[list[int]]]:
+        """(num_computed_tokens, per group the cached blocks it starts with)."""
+        if not self.knobs.enable_prefix_caching:
+            return 0, [[] for _ in self.groups]
+        chains = []
+        for g, group in enumerate(self.groups):
+            chain = []
+            for h in req.block_hashes(g, group.block_size):
+                block = self.allocators[g].lookup(h)
+                if block is None:
+                    break
+                chain.append(block)
+            chains.append(chain)
+        hit = min(len(c) * g.block_size for c, g in zip(chains, self.groups, strict=True))
+        if hit >= req.num_tokens:
+            computed = req.num_tokens - 1  # logits need the last token: recompute it in place
+        else:
+            step = math.lcm(*(g.block_size for g in self.groups))
+            computed = hit // step * step  # every group's computed part is whole blocks
+        return computed, [c[: math.ceil(computed / g.block_size)] for c, g in zip(chains, self.groups, strict=True)]
+
+    def _register_full_blocks(self, req: SchedRequest) -> None:
+        for g, group in enumerate(self.groups):
+            hashes = req.block_hashes(g, group.block_size)
+            full = min(req.num_computed // group.block_size, len(hashes))
+            for j in range(req.num_hashed[g], full):
+                if req.blocks[g][j] != NULL_BLOCK_ID:
+                    self.allocators[g].register(req.blocks[g][j], hashes[j])
+            req.num_hashed[g] = max(req.num_hashed[g], full)
+
+    # ---- leaving ----------------------------------------------------------------------------
+    def _free_blocks(self, req: SchedRequest) -> None:
+        for g, table in enumerate(req.blocks):
+            for b in table:
+                self.allocators[g].release(b)
+        req.blocks = [[] for _ in self.groups]
+
+    def _preempt(self, req: SchedRequest, step: _Step) -> None:
+        self._free_blocks(req)
+        req.num_computed = 0
+        req.num_hashed = [0] * len(self.groups)
+        req.status = Status.PREEMPTED
+        self.running.remove(req)
+        self.waiting.insert(0, req)
+        step.preempted.add(req.req_id)
+        self.stats.preemptions += 1
+
+    def _finish(self, req: SchedRequest) -> None:
+        """Finished in update(): its row is released by the next output."""
+        self.stats.finished += 1
+        if self._drop(req):
+            self._to_release.append(req.req_id)
+
+    def _drop(self, req: SchedRequest) -> bool:
+        """Free its blocks and forget it; True if it held a row (which must now be released)."""
+        held = req.holds_row
+        self._free_blocks(req)
+        if req in self.running:
+            self.running.remove(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        req.status = Status.FINISHED
+        return held
+
+    def _abort_one(self, finished: list[str]) -> None:
+        live = [*self.running, *self.waiting]
+        if live:
+            req = self.rng.choice(live)
+            self.stats.aborted += 1
+            if self._drop(req):
+                finished.append(req.req_id)  # in this very output: apply frees rows before anything else
+
+
+class _Step:
+    """What one schedule() call has decided so far."""
+
+    def __init__(self, budget: int, written: list[set[int]]) -> None:
+        self.budget = budget
+        self.written = written  # per group: slots a shared block receives this step
+        self.scheduled: list[tuple[str, int]] = []
+        self.new: list[NewRequest] = []
+        self.cached: list[CachedRequest] = []
+        self.preempted: set[str] = set()
+
+    def add(self, req_id: str, n: int) -> None:
+        self.scheduled.append((req_id, n))
+        self.budget -= n
+
+
+class _Admission:
+    def __init__(
+        self,
+        computed: int,
+        num_tokens: int,
+        tables: list[list[int]],
+        writes: list[list[int]],
+        is_new: bool,
+        collides: bool,
+    ) -> None:
+        self.computed = computed
+        self.num_tokens = num_tokens
+        self.tables = tables  # per group: cached prefix blocks (null below a window)
+        self.writes = writes  # per group: slots written inside those cached blocks
+        self.is_new = is_new  # holds no row yet: a NewRequest (else a resumed CachedRequest)
+        self.collides = collides  # a write lands on a slot another request writes this step

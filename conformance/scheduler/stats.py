@@ -1,0 +1,23 @@
+"""What a scheduler run did, so tests can check each feature was actually exercised."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SchedulerStats:
+    steps: int = 0
+    scheduled_tokens: int = 0
+    admitted: int = 0  # new requests sent to the pool
+    finished: int = 0  # by length or stop token
+    stopped_by_token: int = 0
+    aborted: int = 0  # by the abort knob
+    unfittable: int = 0  # aborted because it could never get its blocks, even alone
+    preemptions: int = 0
+    resumptions: int = 0
+    prefix_hit_tokens: int = 0  # num_computed_tokens > 0 handed to new or resumed requests
+    full_prefix_hits: int = 0  # whole known sequence cached: the last token is recomputed in a shared block
+    window_releases: int = 0  # blocks released by sliding windows
+    padded_steps: int = 0
+    block_usage: list[list[int]] = field(default_factory=list)  # per step: blocks in use per group

@@ -1,0 +1,176 @@
+"""The scheduler model itself: allocator invariants, no leaks, valid outputs, and every feature exercised.
+
+The spec pool is the judge of validity (it rejects any invalid output); expected values for the
+allocator come from the scheduler's own request tables, counted independently of the allocator.
+"""
+
+from __future__ import annotations
+
+import collections
+import random
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+import spec
+from conformance.scenario import Scenario, random_scenario
+from conformance.scheduler import BlockAllocator, ReferenceScheduler, SchedulerKnobs, Workload, WorkloadRequest
+from conformance.scheduler.request import Status
+from conformance.strategies import scenarios
+from spec.types import NULL_BLOCK_ID, CachedRequest, KVCacheGroup, SchedulerOutput, WorkerConfig
+
+
+def _run(
+    scenario: Scenario, check_each_step: bool = True, max_steps: int = 2000
+) -> tuple[ReferenceScheduler, list[SchedulerOutput]]:
+    """Drive the scheduler against the spec pool to the end, checking invariants after every step."""
+    sched = ReferenceScheduler(scenario.config, scenario.workload, scenario.knobs, seed=scenario.seed)
+    pool = spec.RequestStatePool(scenario.config)
+    rng = random.Random(scenario.seed)
+    outs: list[SchedulerOutput] = []
+    while not sched.done():
+        assert len(outs) < max_steps, "the workload does not drain"
+        out = sched.schedule()
+        outs.append(out)
+        pool.apply(out)  # raises on any invalid output
+        batch = pool.prepare(out, sched.pad_to(out))
+        takes = sched.sampling_req_ids(out)
+        sampled = [rng.randrange(scenario.config.vocab_size) for _ in batch.req_ids]
+        pool.record_sampled(batch, np.array(sampled))
+        sched.update(out, {r: t for r, t in zip(batch.req_ids, sampled, strict=True) if r in takes})
+        assert pool.snapshot() == sched.expected_snapshot()
+        if check_each_step:
+            _check_allocators(sched)
+    assert pool.snapshot() == ()
+    return sched, outs
+
+
+def _check_allocators(sched: ReferenceScheduler) -> None:
+    for g, alloc in enumerate(sched.allocators):
+        holders: collections.Counter[int] = collections.Counter()
+        for req in sched.requests.values():
+            real = [b for b in req.blocks[g] if b != NULL_BLOCK_ID]
+            assert len(real) == len(set(real)), f"{req.req_id} holds a block twice"
+            holders.update(real)
+            if req.status is not Status.RUNNING:
+                assert not real, f"{req.req_id} is {req.status} but holds blocks"
+        assert alloc.num_free + alloc.num_used == alloc.num_usable  # free + used = total
+        assert dict(holders) == alloc.ref_count  # ref counts match the tables
+        for block, n in holders.items():
+            assert n == 1 or block in alloc.hash_of, f"block {block} in {n} tables but not a cached prefix block"
+            assert 0 < block < alloc.num_blocks
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(scenarios())
+def test_allocator_invariants_hold_and_nothing_leaks(scenario: Scenario) -> None:
+    sched, _ = _run(scenario)
+    for alloc in sched.allocators:
+        assert alloc.num_used == 0 and alloc.num_free == alloc.num_usable
+    assert all(r.status is Status.FINISHED for r in sched.requests.values())
+
+
+def test_seeded_runs_exercise_every_feature() -> None:
+    seen: collections.Counter[str] = collections.Counter()
+    for seed in range(40):
+        scenario = random_scenario(seed)
+        sched, outs = _run(scenario, check_each_step=False)
+        stats = sched.stats
+        seen.update(
+            preemption=stats.preemptions,
+            resumption=stats.resumptions,
+            prefix_hit=stats.prefix_hit_tokens,
+            full_prefix_hit=stats.full_prefix_hits,
+            window_release=stats.window_releases,
+            stop_token=stats.stopped_by_token,
+            abort=stats.aborted,
+            padded=stats.padded_steps,
+        )
+        for out in outs:
+            tokens = list(out.num_scheduled_tokens.values())
+            seen["mixed decode and prefill"] += 1 in tokens and any(n > 1 for n in tokens)
+            seen["new request with computed tokens"] += any(r.num_computed_tokens > 0 for r in out.new_requests)
+            tables = [*(r.block_ids for r in out.new_requests), *(r.new_block_ids or () for r in out.cached_requests)]
+            seen["null block in a table"] += any(NULL_BLOCK_ID in ids for table in tables for ids in table)
+            seen["chunked prefill"] += any(
+                isinstance(r, CachedRequest) and not r.resumed and out.num_scheduled_tokens[r.req_id] > 1
+                for r in out.cached_requests
+            )
+            seen["finished and new in one step"] += bool(out.finished_req_ids) and bool(out.new_requests)
+    missing = [
+        f
+        for f in (
+            "preemption",
+            "resumption",
+            "prefix_hit",
+            "full_prefix_hit",
+            "window_release",
+            "stop_token",
+            "abort",
+            "padded",
+            "mixed decode and prefill",
+            "new request with computed tokens",
+            "null block in a table",
+            "chunked prefill",
+            "finished and new in one step",
+        )
+        if not seen[f]
+    ]
+    assert not missing, f"never exercised: {missing} ({dict(seen)})"
+
+
+def test_same_seed_same_schedule() -> None:
+    scenario = random_scenario(7)
+    assert _run(scenario)[1] == _run(scenario)[1]
+
+
+def test_preempted_request_keeps_its_row_and_resumes_with_a_replaced_table() -> None:
+    # 4 usable blocks of 4 tokens; two 8-token prompts that each grow to 14 tokens cannot both fit
+    config = WorkerConfig(2, 16, 64, 50, (KVCacheGroup(4, 5),))
+    prompts = [tuple(range(1, 9)), tuple(range(11, 19))]
+    workload = Workload(tuple(WorkloadRequest(f"r{i}", 0, p, 6) for i, p in enumerate(prompts)))
+    sched, outs = _run(Scenario(config, workload, SchedulerKnobs(enable_prefix_caching=False), None, 0))
+    assert sched.stats.preemptions >= 1
+    first = next(i for i, out in enumerate(outs) if any(c.resumed for c in out.cached_requests))
+    resumed = next(c for c in outs[first].cached_requests if c.resumed)
+    assert resumed.num_computed_tokens == 0 and resumed.new_block_ids is not None
+    assert len(resumed.new_block_ids[0]) == -(-outs[first].num_scheduled_tokens[resumed.req_id] // 4)
+    # between its preemption and its resumption the request is neither scheduled nor finished: it keeps its row
+    last_run = max(i for i in range(first) if resumed.req_id in outs[i].num_scheduled_tokens)
+    for out in outs[last_run + 1 : first]:
+        assert resumed.req_id not in out.num_scheduled_tokens and resumed.req_id not in out.finished_req_ids
+
+
+def test_allocator_hands_out_distinct_blocks_in_every_order() -> None:
+    for order in ("ascending", "descending", "random"):
+        alloc = BlockAllocator(101, order, seed=5)
+        blocks = alloc.allocate(100)
+        assert sorted(blocks) == list(range(1, 101))  # never the null block, each once
+        with pytest.raises(RuntimeError):
+            alloc.allocate(1)
+        for b in blocks:
+            alloc.release(b)
+        assert alloc.num_free == 100 and alloc.num_used == 0
+
+
+def test_allocator_is_lazy_for_huge_groups_and_reaches_high_ids() -> None:
+    num_blocks = 2**31 // 16 + 3
+    alloc = BlockAllocator(num_blocks, "descending")
+    assert alloc.allocate(2) == [num_blocks - 1, num_blocks - 2]
+    assert alloc.num_free == num_blocks - 3
+
+
+def test_allocator_evicts_cached_hash_on_reuse_and_honours_exclusions() -> None:
+    alloc = BlockAllocator(4, "ascending", reuse_freed_first=True)
+    a, b, c = alloc.allocate(3)
+    alloc.register(a, 111)
+    for blk in (a, b, c):
+        alloc.release(blk)
+    assert alloc.lookup(111) == a
+    alloc.touch(a)  # a prefix hit revives a freed block
+    assert alloc.ref_count[a] == 1 and alloc.num_free == 2
+    alloc.release(a)
+    assert alloc.allocate(1, exclude={b}) == [c]  # freed order is b, c, a; b is excluded
+    assert alloc.allocate(1) == [b]
+    assert alloc.allocate(1) == [a] and alloc.lookup(111) is None  # reused: no longer a cached prefix
