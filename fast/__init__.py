@@ -1,0 +1,82 @@
+"""slotmap's fast backend: spec's interface on torch tensors, with Triton kernels for every per-token stage.
+
+State lives on the pool's device (`RequestStatePool(config, device="cuda")`); `BatchInputs` arrays are
+torch tensors on that device. Types, constants and errors are spec's own (re-exported here), so the
+two backends raise the same classes for the same input.
+
+Kernel modes (fast/runtime.py):
+- CUDA tensors: compiled Triton kernels.
+- CPU tensors: vectorised torch ops, unless the environment variable SLOTMAP_TRITON_INTERPRET=1 is set
+  (before running; any value other than "" or "0" turns it on), which runs the same Triton kernels
+  through Triton's interpreter on CPU, so machines without a GPU still execute the kernel code.
+  `fast.runtime.interpret(True/False)` overrides the variable for a block of code, and
+  `backend_handle(interpret)` pins the mode for everything a conformance backend runs.
+"""
+
+from fast.attention import paged_attention
+from fast.backend import backend_handle
+from fast.kv_cache import write_kv
+from fast.pool import RequestStatePool
+from spec import (
+    ALL_ERRORS,
+    NULL_BLOCK_ID,
+    PAD_SLOT_ID,
+    Backend,
+    BatchInputs,
+    BlockIdError,
+    BlockTableOverflowError,
+    CachedRequest,
+    DuplicateRequestError,
+    DuplicateSlotError,
+    InconsistentSchedulerOutputError,
+    KVCacheGroup,
+    MissingBlockError,
+    ModelLengthError,
+    NewRequest,
+    NullBlockError,
+    PoolFullError,
+    PoolSnapshot,
+    RowSnapshot,
+    ScheduleError,
+    SchedulerOutput,
+    StatePool,
+    TokenBudgetError,
+    TokenIdError,
+    UnknownRequestError,
+    UnknownTokenError,
+    WorkerConfig,
+)
+
+__all__ = [
+    "ALL_ERRORS",
+    "NULL_BLOCK_ID",
+    "PAD_SLOT_ID",
+    "Backend",
+    "BatchInputs",
+    "BlockIdError",
+    "BlockTableOverflowError",
+    "CachedRequest",
+    "DuplicateRequestError",
+    "DuplicateSlotError",
+    "InconsistentSchedulerOutputError",
+    "KVCacheGroup",
+    "MissingBlockError",
+    "ModelLengthError",
+    "NewRequest",
+    "NullBlockError",
+    "PoolFullError",
+    "PoolSnapshot",
+    "RequestStatePool",
+    "RowSnapshot",
+    "ScheduleError",
+    "SchedulerOutput",
+    "StatePool",
+    "TokenBudgetError",
+    "TokenIdError",
+    "UnknownRequestError",
+    "UnknownTokenError",
+    "WorkerConfig",
+    "backend_handle",
+    "paged_attention",
+    "write_kv",
+]

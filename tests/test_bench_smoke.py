@@ -1,0 +1,178 @@
+"""The benchmark baselines compute what spec computes, so no benchmark times a wrong answer.
+
+Each baseline pool is driven through the same scheduler outputs as spec's pool (benchmark streams with
+decodes, prefills, finished requests and three KV groups; the articles' worked example; a preemption
+and resume) and every BatchInputs field and the snapshot are compared exactly. The dense SDPA baseline
+is compared with spec's paged attention in float64. The results renderer is checked on a small
+hand-made pytest-benchmark JSON.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import spec
+from benchmarks.baselines.dense_sdpa import contiguous_kv, dense_attention
+from benchmarks.baselines.numpy_vectorised import NumpyVectorisedPool
+from benchmarks.baselines.python_lists import PythonListPool
+from benchmarks.providers import numpy_slot_mapping, python_slot_mapping
+from benchmarks.workloads import StepStream, Workload
+from conformance.backends import BackendHandle
+from conformance.examples import worked_example
+from spec.types import CachedRequest, KVCacheGroup, NewRequest, SchedulerOutput, WorkerConfig
+
+BASELINES = {"numpy-vectorised": NumpyVectorisedPool, "python-lists": PythonListPool}
+SMALL = (
+    Workload("small-mixed-g3", 5, 2, 40, num_groups=3, min_context=20, max_context=70),
+    Workload("small-decode", 7, min_context=1, max_context=50),
+    Workload("small-prefill", 0, 3, 33),
+)
+
+
+def _to_numpy(batch: spec.BatchInputs) -> dict[str, Any]:
+    return BackendHandle("baseline", spec).batch_to_numpy(batch)  # converts torch tensors and NumPy alike
+
+
+def _assert_same_batch(got: spec.BatchInputs, want: spec.BatchInputs) -> None:
+    g, w = _to_numpy(got), _to_numpy(want)
+    assert g.keys() == w.keys()
+    for name in w:
+        if isinstance(w[name], tuple) and w[name] and isinstance(w[name][0], np.ndarray):
+            assert len(g[name]) == len(w[name]), name
+            for a, b in zip(g[name], w[name], strict=True):
+                assert a.dtype == b.dtype and np.array_equal(a, b), name
+        elif isinstance(w[name], np.ndarray):
+            assert g[name].dtype == w[name].dtype and np.array_equal(g[name], w[name]), name
+        else:
+            assert g[name] == w[name], name
+
+
+def _drive(pools: dict[str, Any], steps: list[SchedulerOutput], pad: int = 0) -> None:
+    for k, sched in enumerate(steps):
+        batches = {}
+        for name, pool in pools.items():
+            pool.apply(sched)
+            batches[name] = pool.prepare(sched, sched.total_num_scheduled_tokens + pad)
+        for name in pools:
+            _assert_same_batch(batches[name], batches["spec"])
+        sampled = (np.arange(batches["spec"].num_reqs, dtype=np.int64) * 7 + k) % 100
+        for name, pool in pools.items():
+            pool.record_sampled(batches[name], sampled)
+        for name, pool in pools.items():
+            assert pool.snapshot() == pools["spec"].snapshot(), name
+
+
+@pytest.mark.parametrize("workload", SMALL, ids=str)
+def test_baselines_match_spec_on_benchmark_streams(workload: Workload) -> None:
+    stream = StepStream(workload)
+    pools = {"spec": spec.RequestStatePool(stream.config)} | {n: cls(stream.config) for n, cls in BASELINES.items()}
+    _drive(pools, [stream.first()] + [stream.next() for _ in range(40)], pad=3)
+
+
+def test_baselines_match_spec_on_worked_example_and_resume() -> None:
+    ex = worked_example()
+    pools = {"spec": spec.RequestStatePool(ex.config)} | {n: cls(ex.config) for n, cls in BASELINES.items()}
+    _drive(pools, [ex.step1, ex.step2])
+    config = WorkerConfig(4, 32, 64, 50, (KVCacheGroup(4, 32), KVCacheGroup(8, 16)))
+    steps = [
+        SchedulerOutput(
+            new_requests=(
+                NewRequest("a", tuple(range(10)), ((1, 2, 3), (1, 2))),
+                NewRequest("b", (5,) * 6, ((4, 5), (3,))),
+            ),
+            num_scheduled_tokens={"a": 10, "b": 6},
+        ),
+        SchedulerOutput(  # b is preempted: keeps its row and tokens, not scheduled
+            cached_requests=(CachedRequest("a", 10, ((6,), ())),), num_scheduled_tokens={"a": 1}
+        ),
+        SchedulerOutput(  # b resumes with new blocks replacing its tables, recomputing from 0
+            cached_requests=(CachedRequest("b", 0, ((9, 10), (11,)), resumed=True), CachedRequest("a", 11)),
+            num_scheduled_tokens={"b": 7, "a": 1},
+            finished_req_ids=frozenset(),
+        ),
+        SchedulerOutput(
+            new_requests=(NewRequest("c", (1, 2, 3), ((12,), (13,))),),
+            cached_requests=(CachedRequest("b", 7),),
+            num_scheduled_tokens={"c": 3, "b": 1},
+            finished_req_ids=frozenset({"a"}),
+        ),
+    ]
+    pools = {"spec": spec.RequestStatePool(config)} | {n: cls(config) for n, cls in BASELINES.items()}
+    _drive(pools, steps)
+
+
+def test_slot_mapping_baselines_match_spec() -> None:
+    rng = np.random.default_rng(0)
+    table = rng.permutation(np.arange(1, 4 * 9 + 1, dtype=np.int32)).reshape(4, 9)  # [R, max_blocks]
+    token_rows = rng.integers(0, 4, 50).astype(np.int64)
+    positions = rng.integers(0, 9 * 8, 50).astype(np.int64)
+    expected = spec.slots.slot_mapping(table, token_rows, positions, 8)
+    assert np.array_equal(numpy_slot_mapping(table, token_rows, positions, 8), expected)
+    got = python_slot_mapping(table.tolist(), token_rows.tolist(), positions.tolist(), 8)
+    assert np.array_equal(got.numpy(), expected)
+
+
+def test_dense_sdpa_matches_spec_attention() -> None:
+    """Decode rows, a whole prompt and a chunk in the middle of a prompt, with GQA, in float64."""
+    rng = np.random.default_rng(1)
+    block_size, num_blocks, num_heads, num_kv_heads, head_dim = 4, 40, 6, 2, 8
+    seq_lens = np.array([9, 1, 12, 7], np.int32)
+    query_lens = np.array([1, 1, 12, 3], np.int32)  # decode, decode, whole prompt, a chunk ending at 7
+    query_start_loc = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
+    ids = rng.permutation(np.arange(1, num_blocks))
+    block_table = np.zeros((4, 4), np.int32)
+    for b, n in enumerate(seq_lens):
+        need = -(-int(n) // block_size)
+        block_table[b, :need], ids = ids[:need], ids[need:]
+    key_cache = rng.standard_normal((num_blocks, block_size, num_kv_heads, head_dim))
+    value_cache = rng.standard_normal((num_blocks, block_size, num_kv_heads, head_dim))
+    query = rng.standard_normal((int(query_start_loc[-1]), num_heads, head_dim))
+    scale = head_dim**-0.5
+    want = spec.paged_attention(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale=scale)
+    kv = contiguous_kv(
+        torch.from_numpy(key_cache), torch.from_numpy(value_cache), block_table, seq_lens, query_start_loc
+    )
+    got = dense_attention(torch.from_numpy(query), kv, query_start_loc.tolist(), scale=scale).numpy()
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)  # float64 both sides: only rounding differs
+
+
+def _fake_results(path: Path) -> None:
+    """A pytest-benchmark JSON with hand-picked medians, in the shape the suites write."""
+
+    def bench(stage: str, workload: str, num_reqs: int, provider: str, median: float) -> dict[str, Any]:
+        info = {"stage": stage, "workload": workload, "kind": "decode", "provider": provider, "num_reqs": num_reqs,
+                "num_tokens": num_reqs, "num_groups": 1, "bytes": 1000, "flops": 0}  # fmt: skip
+        return {"group": f"{stage}/{workload}", "name": f"test_{stage}[{workload}-{provider}]",
+                "extra_info": info, "stats": {"median": median, "rounds": 5}}  # fmt: skip
+
+    benchmarks = [
+        bench("host_step", "decode-8", 8, "spec", 4e-3),
+        bench("host_step", "decode-8", 8, "numpy-vectorised", 1e-3),
+        bench("host_step", "decode-8", 8, "python-lists", 8e-3),
+        bench("host_step", "decode-64", 64, "spec", 6e-3),
+        bench("host_step", "decode-64", 64, "numpy-vectorised", 2e-3),
+    ]
+    machine = {"node": "testbox", "processor": "x86_64", "cpu": {"brand_raw": "Test CPU"}, "python_version": "3.11"}
+    path.write_text(json.dumps({"machine_info": machine, "datetime": "2026-01-01T00:00:00", "benchmarks": benchmarks}))
+
+
+def test_results_page_renders_medians_and_ratios(tmp_path: Path) -> None:
+    from slotmap.bench import render
+
+    results = tmp_path / "testbox.json"
+    _fake_results(results)
+    page = tmp_path / "performance.md"
+    render([results], page, tmp_path / "img")
+    text = page.read_text()
+    assert "Test CPU" in text
+    assert "4.00 ms" in text and "1.00 ms" in text  # medians of decode-8
+    assert "4.00×" in text  # spec / numpy-vectorised at decode-8: 4e-3 / 1e-3
+    assert "8.00×" in text  # python-lists / numpy-vectorised at decode-8
+    assert "3.00×" in text  # spec / numpy-vectorised at decode-64: 6e-3 / 2e-3
+    assert list((tmp_path / "img").glob("*host_step.png"))

@@ -1,0 +1,128 @@
+"""Kernels 2+3 (fast.kernels.prepare) and the CPU path (fast.flatten, fast.slots) against spec, exactly.
+
+Device state is random (the kernel does not care whether tables are valid), so every index path is hit:
+several groups with block sizes that are not powers of two, unsorted index_mapping, padding. The int64
+case puts slots past 2**31 without allocating any KV cache (the pool holds only tables).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import fast
+import spec.flatten
+import spec.slots
+from fast.flatten import flatten
+from fast.kernels.prepare import prepare_triton
+from fast.runtime import HAVE_TRITON, interpret
+from fast.slots import gather_block_tables, slot_mapping
+from fast.state import DeviceState
+from spec.types import KVCacheGroup, NewRequest, SchedulerOutput, WorkerConfig
+
+needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason="Triton is not installed on this platform")
+
+
+def _random_case(seed: int) -> tuple[DeviceState, dict[str, np.ndarray], int]:
+    rng = np.random.default_rng(seed)
+    groups = tuple(
+        KVCacheGroup(int(rng.choice([1, 3, 4, 5, 16])), int(rng.integers(2, 1000))) for _ in range(rng.integers(1, 4))
+    )
+    rows, max_model_len = int(rng.integers(1, 6)), int(rng.integers(1, 40))
+    config = WorkerConfig(rows, max_model_len, 10_000, 1000, groups)
+    dev = DeviceState(config, torch.device("cpu"))
+    dev.token_ids.copy_(torch.from_numpy(rng.integers(0, 1000, (rows, max_model_len))))
+    for g, group in enumerate(groups):
+        dev.table(g).copy_(torch.from_numpy(rng.integers(0, group.num_blocks, dev.table(g).shape, dtype=np.int32)))
+    num_reqs = int(rng.integers(0, rows + 1))
+    index_mapping = rng.permutation(rows)[:num_reqs].astype(np.int32)  # batch_idx -> req_state_idx
+    num_scheduled = rng.integers(1, max_model_len + 1, num_reqs).astype(np.int32)
+    num_computed = np.zeros(rows, np.int64)
+    num_computed[index_mapping] = rng.integers(0, max_model_len - num_scheduled + 1)
+    dev.num_computed.copy_(torch.from_numpy(num_computed))
+    padded = int(num_scheduled.sum()) + int(rng.integers(0, 6))
+    return dev, {"index_mapping": index_mapping, "num_scheduled": num_scheduled}, padded
+
+
+def _expected(dev: DeviceState, index_mapping: np.ndarray, num_scheduled: np.ndarray, padded: int) -> dict:
+    flat = spec.flatten.flatten(index_mapping, num_scheduled, dev.num_computed.numpy(), dev.token_ids.numpy(), padded)
+    tables = [dev.table(g).numpy() for g in range(len(dev.config.kv_groups))]
+    return {
+        "positions": flat.positions,
+        "input_ids": flat.input_ids,
+        "seq_lens": flat.seq_lens,
+        "logits_indices": flat.logits_indices,
+        "block_tables": [spec.slots.gather_block_tables(t, index_mapping) for t in tables],
+        "slot_mappings": [
+            spec.slots.slot_mapping(t, flat.token_rows, flat.positions, g.block_size)
+            for t, g in zip(tables, dev.config.kv_groups, strict=True)
+        ],
+    }
+
+
+def _assert_same(name: str, got: torch.Tensor, want: np.ndarray) -> None:
+    assert str(got.dtype).removeprefix("torch.") == str(want.dtype), name
+    np.testing.assert_array_equal(got.numpy(), want, err_msg=name)
+
+
+def _batch_tensor(index_mapping: np.ndarray, num_scheduled: np.ndarray) -> torch.Tensor:
+    query_start_loc = np.concatenate([[0], np.cumsum(num_scheduled)])
+    return torch.from_numpy(np.concatenate([index_mapping, num_scheduled, query_start_loc]).astype(np.int32))
+
+
+@needs_triton
+@pytest.mark.interpret
+@pytest.mark.parametrize("seed", range(10))
+def test_prepare_kernel_matches_spec(seed: int) -> None:
+    dev, arrays, padded = _random_case(seed)
+    index_mapping, num_scheduled = arrays["index_mapping"], arrays["num_scheduled"]
+    want = _expected(dev, index_mapping, num_scheduled, padded)
+    with interpret(True):
+        out = prepare_triton(
+            dev, _batch_tensor(index_mapping, num_scheduled), len(index_mapping), int(num_scheduled.sum()), padded
+        )
+    for name in ("positions", "input_ids", "seq_lens", "logits_indices"):
+        _assert_same(name, getattr(out, name), want[name])
+    for g in range(len(dev.config.kv_groups)):
+        _assert_same(f"block_tables[{g}]", out.block_tables[g], want["block_tables"][g])
+        _assert_same(f"slot_mappings[{g}]", out.slot_mappings[g], want["slot_mappings"][g])
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_cpu_path_matches_spec(seed: int) -> None:
+    dev, arrays, padded = _random_case(seed)
+    index_mapping, num_scheduled = arrays["index_mapping"], arrays["num_scheduled"]
+    want = _expected(dev, index_mapping, num_scheduled, padded)
+    query_start_loc = np.concatenate([[0], np.cumsum(num_scheduled)])
+    computed = dev.num_computed.numpy().copy()  # what the host mirror holds
+    flat = flatten(index_mapping, num_scheduled, query_start_loc, computed, dev.token_ids, padded)
+    for name in ("positions", "input_ids", "seq_lens", "logits_indices"):
+        _assert_same(name, getattr(flat, name), want[name])
+    for g, group in enumerate(dev.config.kv_groups):
+        _assert_same(f"block_tables[{g}]", gather_block_tables(dev.table(g), index_mapping), want["block_tables"][g])
+        slots = slot_mapping(dev.table(g), flat.token_rows_np, flat.positions_np, group.block_size)
+        _assert_same(f"slot_mappings[{g}]", slots, want["slot_mappings"][g])
+
+
+HUGE_BLOCKS = 2**26 + 5  # with block_size 64: 2**32 + 320 slots
+
+
+@pytest.mark.parametrize("mode", [pytest.param(True, marks=[needs_triton, pytest.mark.interpret]), False])
+def test_slots_past_int32_are_exact(mode: bool) -> None:
+    config = WorkerConfig(2, 256, 512, 100, (KVCacheGroup(64, HUGE_BLOCKS), KVCacheGroup(3, 200)))
+    top = (HUGE_BLOCKS - 1, HUGE_BLOCKS - 3, 1, HUGE_BLOCKS - 2)  # near the top, and one small id
+    prompt = tuple(i % 100 for i in range(200))
+    sched = SchedulerOutput(
+        new_requests=(NewRequest("x", prompt, (top, tuple(range(1, 68)))),),
+        num_scheduled_tokens={"x": 200},
+    )
+    pool = fast.RequestStatePool(config)
+    with interpret(mode):
+        pool.apply(sched)
+        batch = pool.prepare(sched, pad_to=203)
+    want = [top[p // 64] * 64 + p % 64 for p in range(200)] + [-1, -1, -1]  # Python ints: no overflow
+    assert max(want) > 2**32
+    assert batch.slot_mappings[0].dtype == torch.int64
+    assert batch.slot_mappings[0].tolist() == want
+    assert batch.block_tables[0].tolist() == [list(top)]
