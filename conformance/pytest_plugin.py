@@ -37,10 +37,19 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "not_on_backends(*names, reason): a whole-workload test that these backends do not run (e.g. the "
+        "Triton interpreter, ~1000x slower than compiled); they are covered by the suite's smaller tests",
+    )
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "backend" in metafunc.fixturenames:
         names = metafunc.config.getoption("--backend") or _default_backends()
-        metafunc.parametrize("backend", names, indirect=True, scope="session")
+        excluded = {n for mark in metafunc.definition.iter_markers("not_on_backends") for n in mark.args}
+        metafunc.parametrize("backend", [n for n in names if n not in excluded], indirect=True, scope="session")
 
 
 def _default_backends() -> list[str]:

@@ -216,9 +216,11 @@ def test_write_kv_then_paged_attention_matches_dense_attention(backend: BackendH
     b2 = step(backend, pool, SchedulerOutput(cached_requests=(CachedRequest("d", 8),), num_scheduled_tokens={"d": 1}))
     out2 = forward(b2, {"d": 8})
 
-    def dense(r: str, n: int, dtype: type) -> np.ndarray:
-        q, k, v = (x[r].astype(dtype) for x in (queries, keys, values))
-        return _dense_attention(q, k, v, np.arange(n), dtype(dim**-0.5))
+    def dense(r: str, n: int, dtype: type[np.floating]) -> np.ndarray:
+        q: np.ndarray = queries[r].astype(dtype)
+        k: np.ndarray = keys[r].astype(dtype)
+        v: np.ndarray = values[r].astype(dtype)
+        return _dense_attention(q, k, v, np.arange(n), float(dtype(dim**-0.5)))
 
     assert b1["req_ids"] == ("p", "d")
     exp_p, low_p = dense("p", 7, np.float64), dense("p", 7, np.float32)

@@ -114,11 +114,10 @@ SCHED_MODEL = ModelConfig(vocab_size=2048, hidden_size=32, intermediate_size=64,
 SCHED_KNOBS = SchedulerKnobs(max_chunk=8, pad_buckets=(8, 16, 32))
 
 
+@pytest.mark.not_on_backends("fast-interpret", reason="interpreter: the hand-written steps cover it")
 def test_reference_scheduler_run_matches_dense(backend: BackendHandle) -> None:
     """16 requests with shared prefixes through a pool too small for them all: every token of every request
     equals the dense recompute, and the run really chunked, padded, shared prefixes and preempted."""
-    if backend.name == "fast-interpret":
-        pytest.skip("Triton interpreter runs ~1000x slower: fast-interpret gets the hand-written steps only")
     workload = make_workload(0, SCHED_CONFIG, num_requests=16, max_arrival_step=4, num_prefixes=2,
                              shared_prefix_prob=0.7, max_prompt_len=24, max_new_tokens=10)
     scheduler = ReferenceScheduler(SCHED_CONFIG, workload, knobs=SCHED_KNOBS, seed=0)
@@ -148,9 +147,8 @@ def test_reference_scheduler_run_matches_dense(backend: BackendHandle) -> None:
     assert generated == sum(r.num_output for r in scheduler.requests.values())
 
 
+@pytest.mark.not_on_backends("fast-interpret", reason="interpreter: a whole simulated workload is too long")
 def test_simulate_command_verifies_and_plots(backend: BackendHandle, tmp_path: Path) -> None:
-    if backend.name == "fast-interpret":
-        pytest.skip("Triton interpreter runs ~1000x slower: a whole simulated workload is too long for CI")
     plot = tmp_path / "run.png"
     result = CliRunner().invoke(app, ["simulate", "--backend", backend.name, "--requests", "12", "--seed", "1",
                                       "--verify-every", "2", "--plot", str(plot)])
