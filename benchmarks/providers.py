@@ -1,0 +1,118 @@
+"""Providers: one object per implementation being timed, so every suite is written once.
+
+Names are fixed (test ids stay stable across machines); a provider that cannot run here (fast not
+importable, no CUDA device) is skipped with the reason. Every call into a CUDA provider is followed by
+`sync()` inside the timed target, so a benchmark measures finished work, not queued launches.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import spec
+import spec.slots
+from benchmarks.baselines.numpy_vectorised import NumpyVectorisedPool
+from benchmarks.baselines.python_lists import PythonListPool
+
+POOL_PROVIDERS = ("spec", "fast", "fast-cuda", "numpy-vectorised", "python-lists")
+SLOT_PROVIDERS = ("spec", "fast", "numpy-vectorised", "python-lists")  # on CUDA, fast fuses slots into prepare
+KERNEL_PROVIDERS = ("spec", "fast", "fast-cuda")  # write_kv and the whole layer step
+ATTENTION_PROVIDERS = ("spec", "fast", "fast-cuda", "dense-sdpa", "dense-sdpa-cuda")
+
+
+@dataclass(frozen=True)
+class Provider:
+    name: str
+    device: str  # "cpu" or "cuda"; "numpy" for spec and the NumPy baseline
+    make_pool: Callable[[spec.WorkerConfig], Any] | None = None
+    module: Any = None  # spec or fast: write_kv, paged_attention, slots.slot_mapping
+
+    @property
+    def is_numpy(self) -> bool:
+        return self.device == "numpy"
+
+    def asarray(self, array: np.ndarray) -> Any:
+        """NumPy -> this provider's array type, on its device."""
+        if self.is_numpy:
+            return array
+        return torch.from_numpy(np.ascontiguousarray(array)).to(self.device)
+
+    def sync(self) -> None:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+
+
+def _fast_module() -> Any:
+    try:
+        import fast
+    except Exception as exc:  # fast/ is written alongside; a half-written tree must not break spec's numbers
+        pytest.skip(f"fast is not importable: {type(exc).__name__}: {exc}")
+    if not all(hasattr(fast, name) for name in ("RequestStatePool", "write_kv", "paged_attention")):
+        pytest.skip("fast does not export RequestStatePool, write_kv and paged_attention yet")
+    return fast
+
+
+def _need_cuda() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device on this machine")
+
+
+def get(name: str) -> Provider:
+    """The provider called `name`, or pytest.skip with the reason it cannot run here."""
+    if name == "spec":
+        return Provider("spec", "numpy", spec.RequestStatePool, spec)
+    if name == "numpy-vectorised":
+        return Provider(name, "numpy", NumpyVectorisedPool)
+    if name == "python-lists":
+        return Provider(name, "cpu", PythonListPool)
+    if name in ("dense-sdpa", "dense-sdpa-cuda"):
+        if name.endswith("cuda"):
+            _need_cuda()
+        return Provider(name, "cuda" if name.endswith("cuda") else "cpu")
+    if name in ("fast", "fast-cuda"):
+        if name == "fast-cuda":
+            _need_cuda()
+        fast = _fast_module()
+        device = "cuda" if name == "fast-cuda" else "cpu"
+        return Provider(name, device, lambda config: fast.RequestStatePool(config, device=device), fast)
+    raise ValueError(f"unknown provider {name!r}")
+
+
+def slot_mapping_fn(provider: Provider) -> Callable[[Any, Any, Any, int], Any]:
+    """(block_table [R, max_blocks], token_rows [num_tokens], positions [T], block_size) -> slots [T]."""
+    if provider.name == "spec":
+        return spec.slots.slot_mapping
+    if provider.name == "numpy-vectorised":
+        return numpy_slot_mapping
+    if provider.name == "python-lists":
+        return python_slot_mapping
+    import fast.slots
+
+    return fast.slots.slot_mapping
+
+
+def host_arguments(fn: Callable[..., Any]) -> set[str]:
+    """Parameters `fn` takes as host NumPy arrays: by the project's convention their names end in `_np`."""
+    return {name for name in inspect.signature(fn).parameters if name.endswith("_np")}
+
+
+def numpy_slot_mapping(block_table: np.ndarray, token_rows: np.ndarray, positions: np.ndarray, bs: int) -> np.ndarray:
+    # the slot stage of NumpyVectorisedPool.prepare on its own: one flat gather, then arithmetic
+    flat_index = token_rows * block_table.shape[1] + positions // bs
+    slots = np.take(block_table.ravel(), flat_index).astype(np.int64)
+    slots *= bs
+    slots += positions % bs
+    return slots
+
+
+def python_slot_mapping(block_table: Any, token_rows: Any, positions: Any, bs: int) -> torch.Tensor:
+    # the slot loop of PythonListPool.prepare on its own: tables are Python lists there
+    slots = [block_table[row][pos // bs] * bs + pos % bs for row, pos in zip(token_rows, positions, strict=True)]
+    return torch.tensor(slots, dtype=torch.int64)

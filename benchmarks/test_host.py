@@ -1,0 +1,151 @@
+"""Host stages: apply, prepare, slot mapping alone, and the whole host step (apply + prepare + record_sampled).
+
+Every pool provider sees the same stream of scheduler outputs (benchmarks.workloads.StepStream). The
+pool is first brought to the workload's steady state (all requests present), untimed.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import numpy as np
+import pytest
+
+import spec
+from benchmarks import providers
+from benchmarks.harness import param, record, run_stateful
+from benchmarks.reference import reference, started
+from benchmarks.workloads import HOST_WORKLOADS, StepStream, Workload
+from spec.batch import batch_order
+from spec.flatten import flatten
+
+
+def _cases(names: tuple[str, ...]) -> list[Any]:
+    return [param(w, p) for w in HOST_WORKLOADS for p in names]
+
+
+def _batch_bytes(batch: spec.BatchInputs) -> int:
+    arrays = [getattr(batch, f) for f in ("index_mapping", "num_scheduled_tokens", "query_start_loc", "positions",
+                                          "input_ids", "seq_lens", "logits_indices")]  # fmt: skip
+    return sum(a.nbytes for a in (*arrays, *batch.block_tables, *batch.slot_mappings))
+
+
+def _apply_bytes(sched: spec.SchedulerOutput) -> int:
+    """What apply writes to the pool: prompt tokens, progress, block ids (cleared rows not counted)."""
+    tokens = sum(len(r.prompt_token_ids) for r in sched.new_requests)
+    blocks = sum(len(ids) for r in sched.new_requests for ids in r.block_ids)
+    blocks += sum(len(ids) for r in sched.cached_requests for ids in (r.new_block_ids or ()))
+    return 8 * tokens + 8 * (len(sched.new_requests) + len(sched.cached_requests)) + 4 * blocks
+
+
+@pytest.mark.parametrize(("workload", "provider_name"), _cases(providers.POOL_PROVIDERS))
+def test_apply(benchmark: Any, bench_budget: float, workload: Workload, provider_name: str) -> None:
+    provider = providers.get(provider_name)
+    stream = StepStream(workload)
+    pool = started(provider, stream)
+    sampled = provider.asarray(stream.sampled(workload.num_reqs))
+    pending: list[spec.SchedulerOutput] = []
+
+    def setup() -> tuple[Any, ...]:
+        if pending:  # finish the previous step so the next one is valid
+            last = pending.pop()
+            pool.record_sampled(pool.prepare(last), sampled)
+        pending.append(stream.next())
+        return (pending[-1],)
+
+    def target(sched: spec.SchedulerOutput) -> None:
+        pool.apply(sched)
+        provider.sync()
+
+    record(benchmark, "apply", workload, provider_name, nbytes=_apply_bytes(reference(workload)[1]))
+    run_stateful(benchmark, target, setup, bench_budget)
+
+
+@pytest.mark.parametrize(("workload", "provider_name"), _cases(providers.POOL_PROVIDERS))
+def test_prepare(benchmark: Any, workload: Workload, provider_name: str) -> None:
+    provider = providers.get(provider_name)
+    stream = StepStream(workload)
+    pool = started(provider, stream)
+    sched = stream.next()
+    pool.apply(sched)
+
+    def target() -> None:
+        pool.prepare(sched)  # reads the pool only: the same applied step can be prepared again and again
+        provider.sync()
+
+    record(benchmark, "prepare", workload, provider_name, nbytes=_batch_bytes(reference(workload)[2]))
+    if provider.name.startswith("fast"):
+        benchmark.extra_info["launches"] = _count_launches(lambda: pool.prepare(sched))
+    benchmark(target)
+
+
+def _count_launches(fn: Any) -> int:
+    """Triton launches made by `fn` (0 on the CPU torch path): fast's kernels all launch through Kernel.__getitem__."""
+    from fast.runtime import Kernel
+
+    count = 0
+    launch = Kernel.__getitem__
+
+    def counting(self: Kernel, grid: Any) -> Any:
+        nonlocal count
+        count += 1
+        return launch(self, grid)
+
+    Kernel.__getitem__ = counting  # type: ignore[method-assign]
+    try:
+        fn()
+    finally:
+        Kernel.__getitem__ = launch  # type: ignore[method-assign]
+    return count
+
+
+@pytest.mark.parametrize(("workload", "provider_name"), _cases(providers.SLOT_PROVIDERS))
+def test_slot_mapping(benchmark: Any, workload: Workload, provider_name: str) -> None:
+    """Group 0's slot mapping from the persistent block table, given token rows and positions."""
+    provider = providers.get(provider_name)
+    pool, sched, _ = reference(workload)
+    _, index_mapping, num_scheduled = batch_order(sched, pool.state.row_of)
+    flat = flatten(
+        index_mapping, num_scheduled, pool.state.num_computed_tokens, pool.token_ids, sched.total_num_scheduled_tokens
+    )
+    table, block_size = pool.state.block_tables[0], pool.config.kv_groups[0].block_size
+    fn = providers.slot_mapping_fn(provider)
+    args: list[Any]
+    if provider_name == "python-lists":
+        args = [table.tolist(), flat.token_rows.tolist(), flat.positions.tolist(), block_size]
+    else:  # each array in the form the function takes it: host NumPy where its parameter ends in `_np`
+        names, on_host = list(inspect.signature(fn).parameters), providers.host_arguments(fn)
+        arrays = (table, flat.token_rows, flat.positions)
+        args = [a if name in on_host else provider.asarray(a) for name, a in zip(names, arrays, strict=False)]
+        args.append(block_size)
+    expected = spec.slots.slot_mapping(table, flat.token_rows, flat.positions, block_size)
+    got = fn(*args)
+    assert np.array_equal(np.asarray(got.cpu() if hasattr(got, "cpu") else got), expected)  # never time a wrong answer
+
+    def target() -> None:
+        fn(*args)
+        provider.sync()
+
+    num_tokens = flat.positions.shape[0]
+    record(benchmark, "slot_mapping", workload, provider_name, nbytes=num_tokens * (8 + 8 + 4 + 8))
+    benchmark(target)
+
+
+@pytest.mark.parametrize(("workload", "provider_name"), _cases(providers.POOL_PROVIDERS))
+def test_host_step(benchmark: Any, bench_budget: float, workload: Workload, provider_name: str) -> None:
+    """One whole host step, validation included where the provider validates: the issue's CPU target."""
+    provider = providers.get(provider_name)
+    stream = StepStream(workload)
+    pool = started(provider, stream)
+    sampled = provider.asarray(stream.sampled(workload.num_reqs))
+
+    def target(sched: spec.SchedulerOutput) -> None:
+        pool.apply(sched)
+        pool.record_sampled(pool.prepare(sched), sampled)
+        provider.sync()
+
+    _, sched, batch = reference(workload)
+    nbytes = _apply_bytes(sched) + _batch_bytes(batch) + 8 * workload.num_reqs
+    record(benchmark, "host_step", workload, provider_name, nbytes=nbytes)
+    run_stateful(benchmark, target, lambda: (stream.next(),), bench_budget)

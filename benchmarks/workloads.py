@@ -1,0 +1,198 @@
+"""Benchmark workloads: batch shapes from the issue, and an endless stream of valid steps for each.
+
+A workload is `num_decodes` running requests (contexts drawn from [min_context, max_context]) plus
+`num_prefills` fresh prompts of `prefill_len` tokens per step. `StepStream` produces the steady state
+an engine sees: every step each decode advances one token (a new block whenever it crosses a block
+boundary) and the previous step's prefills finish while new ones arrive, so apply, prepare and
+record_sampled can be timed step after step without the pool drifting into another regime.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from spec.types import CachedRequest, KVCacheGroup, NewRequest, SchedulerOutput, WorkerConfig
+
+MAX_STREAM_STEPS = 512  # decode steps a stream can take before a request would outgrow max_model_len
+VOCAB_SIZE = 32_000
+SEED = 1234
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    num_decodes: int
+    num_prefills: int = 0
+    prefill_len: int = 0
+    num_groups: int = 1  # 1, or 3: block sizes 16, 32 and a sliding-window group of 16
+    quick: bool = False  # in the CI subset (`-m quick`)
+    min_context: int = 1024
+    max_context: int = 4096
+
+    @property
+    def num_reqs(self) -> int:
+        return self.num_decodes + self.num_prefills
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_decodes + self.num_prefills * self.prefill_len
+
+    @property
+    def kind(self) -> str:
+        if self.num_prefills == 0:
+            return "decode"
+        return "prefill" if self.num_decodes == 0 else "mixed"
+
+    def groups(self) -> tuple[tuple[int, int | None], ...]:  # (block_size, sliding_window) per group
+        return ((16, None),) if self.num_groups == 1 else ((16, None), (32, None), (16, 1024))
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def decode(n: int, groups: int = 1, quick: bool = False) -> Workload:
+    return Workload(f"decode-{n}" + ("-g3" if groups == 3 else ""), n, num_groups=groups, quick=quick)
+
+
+# The issue's sizes. Host stages run all of them; kernels run the ones that fit a CPU's memory and time.
+HOST_WORKLOADS = (
+    decode(8, quick=True),
+    decode(64, quick=True),
+    decode(256),
+    decode(1024),
+    decode(8, groups=3, quick=True),
+    decode(256, groups=3),
+    Workload("prefill-4x512", 0, 4, 512, quick=True),
+    Workload("prefill-16x2048", 0, 16, 2048),
+    Workload("mixed-64+2x512", 64, 2, 512, quick=True),
+    Workload("mixed-256+4x512", 256, 4, 512),
+)
+
+KERNEL_WORKLOADS = (  # write_kv and paged_attention
+    decode(8, quick=True),
+    decode(64),
+    decode(256),
+    decode(1024),
+    Workload("prefill-4x512", 0, 4, 512, quick=True),
+    Workload("prefill-16x2048", 0, 16, 2048),
+    Workload("mixed-64+2x512", 64, 2, 512),
+)
+LAYER_WORKLOADS = (decode(8, quick=True), decode(64), decode(256), Workload("mixed-64+2x512", 64, 2, 512))
+
+# Sizes left out of CPU runs (a 2-core CI-class machine); a CUDA run measures them all.
+CPU_TRIMS: dict[tuple[str, str], str] = {
+    ("decode-1024", "*"): "KV cache of 1024 x 2.5k tokens: trimmed on CPU (memory and time)",
+    ("prefill-16x2048", "spec@paged_attention"): "spec's float32 einsum over 2048x2048 logits: minutes per call",
+    ("decode-256", "spec@layer_step"): "spec's attention alone takes seconds per step at 256 requests (time)",
+}
+
+
+def cpu_trim_reason(workload: Workload, provider: str, stage: str) -> str | None:
+    for key in ((workload.name, "*"), (workload.name, provider), (workload.name, f"{provider}@{stage}")):
+        if key in CPU_TRIMS:
+            return CPU_TRIMS[key]
+    return None
+
+
+@dataclass(frozen=True)
+class _Layout:
+    config: WorkerConfig
+    contexts: tuple[int, ...]  # [num_decodes]
+    decode_blocks: tuple[np.ndarray, ...]  # per group: [num_decodes, max_blocks_per_req] physical ids
+    prefill_blocks: tuple[np.ndarray, ...]  # per group: [2 banks, num_prefills, blocks per prompt]
+    first: SchedulerOutput  # adds every request; decodes enter with a prefix hit of context - 1 tokens
+
+
+@functools.lru_cache(maxsize=4)
+def _layout(w: Workload) -> _Layout:
+    """Everything about a workload that does not change step to step (cached: prompts are large)."""
+    rng = np.random.default_rng(SEED)
+    contexts = tuple(int(c) for c in rng.integers(w.min_context, w.max_context + 1, w.num_decodes))
+    max_model_len = max(w.max_context, w.prefill_len) + MAX_STREAM_STEPS + 1
+    groups, decode_blocks, prefill_blocks = [], [], []
+    for block_size, window in w.groups():
+        per_req = math.ceil(max_model_len / block_size)
+        per_prompt = math.ceil(w.prefill_len / block_size)
+        num_blocks = 1 + w.num_decodes * per_req + 2 * w.num_prefills * per_prompt
+        ids = rng.permutation(np.arange(1, num_blocks, dtype=np.int64))  # an allocator's scattered free list
+        decode_blocks.append(ids[: w.num_decodes * per_req].reshape(w.num_decodes, per_req))
+        prefill_blocks.append(ids[w.num_decodes * per_req :].reshape(2, w.num_prefills, per_prompt))
+        groups.append(KVCacheGroup(block_size, num_blocks, window))
+    config = WorkerConfig(
+        max_num_reqs=max(w.num_reqs * 2, 8),
+        max_model_len=max_model_len,
+        max_num_batched_tokens=max(w.num_tokens, 8),
+        vocab_size=VOCAB_SIZE,
+        kv_groups=tuple(groups),
+    )
+    new, scheduled = [], {}
+    for i, ctx in enumerate(contexts):
+        prompt = tuple(rng.integers(0, VOCAB_SIZE, ctx).tolist())
+        blocks = tuple(
+            tuple(decode_blocks[g][i, : math.ceil(ctx / bs)].tolist()) for g, (bs, _) in enumerate(w.groups())
+        )
+        new.append(NewRequest(f"d{i}", prompt, blocks, num_computed_tokens=ctx - 1))
+        scheduled[f"d{i}"] = 1
+    for req in _prefills(w, prefill_blocks, step=0):
+        new.append(req)
+        scheduled[req.req_id] = w.prefill_len
+    first = SchedulerOutput(new_requests=tuple(new), num_scheduled_tokens=scheduled)
+    return _Layout(config, contexts, tuple(decode_blocks), tuple(prefill_blocks), first)
+
+
+@functools.lru_cache(maxsize=2)
+def _prompt(length: int, i: int) -> tuple[int, ...]:
+    return tuple(np.random.default_rng(SEED + i).integers(0, VOCAB_SIZE, length).tolist())
+
+
+def _prefills(w: Workload, prefill_blocks: list[np.ndarray] | tuple[np.ndarray, ...], step: int) -> list[NewRequest]:
+    bank = step % 2  # last step's prefills finish in this step, so their blocks are still taken: alternate
+    return [
+        NewRequest(
+            f"p{step}.{i}",
+            _prompt(w.prefill_len, i),
+            tuple(tuple(blocks[bank, i].tolist()) for blocks in prefill_blocks),
+        )
+        for i in range(w.num_prefills)
+    ]
+
+
+class StepStream:
+    """first() then next(), next(), ...: the scheduler outputs of consecutive steps of one workload."""
+
+    def __init__(self, workload: Workload) -> None:
+        self.workload = workload
+        self.layout = _layout(workload)
+        self.config = self.layout.config
+        self.step = 0
+        self._sampled = np.random.default_rng(SEED).integers(0, VOCAB_SIZE, workload.num_reqs, dtype=np.int64)
+
+    def first(self) -> SchedulerOutput:
+        self.step = 0
+        return self.layout.first
+
+    def next(self) -> SchedulerOutput:
+        self.step += 1
+        w, k, layout = self.workload, self.step, self.layout
+        if k > MAX_STREAM_STEPS:
+            raise RuntimeError(f"{w.name}: more than {MAX_STREAM_STEPS} steps; raise MAX_STREAM_STEPS")
+        cached, scheduled = [], {}
+        for i, ctx in enumerate(layout.contexts):
+            position = ctx - 1 + k  # the token after the one sampled last step
+            new_blocks = [
+                (int(blocks[i, position // bs]),) if position % bs == 0 else ()
+                for blocks, (bs, _) in zip(layout.decode_blocks, w.groups(), strict=True)
+            ]
+            cached.append(CachedRequest(f"d{i}", position, tuple(new_blocks) if any(new_blocks) else None))
+            scheduled[f"d{i}"] = 1
+        new = _prefills(w, layout.prefill_blocks, k)
+        scheduled.update({r.req_id: w.prefill_len for r in new})
+        finished = frozenset(f"p{k - 1}.{i}" for i in range(w.num_prefills))
+        return SchedulerOutput(tuple(new), tuple(cached), scheduled, finished)
+
+    def sampled(self, num_reqs: int) -> np.ndarray:  # [num_reqs] int64, what the model "samples"
+        return self._sampled[:num_reqs]
