@@ -12,8 +12,14 @@ import random
 
 import pytest
 from hypothesis import HealthCheck, note, settings
-from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 from conformance.backends import BackendHandle
 from conformance.differential import Budget, DifferentialRun, MismatchError, budget_for, one_torch_thread
