@@ -169,6 +169,18 @@ def test_paged_attention_matches_spec_property(case: tuple[int, dict[str, object
         check_against_spec(make_case(seed, dtype, **params), dtype)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("sliding_window", [None, 40])
+def test_paged_attention_long_contexts(sliding_window: int | None) -> None:
+    """The benchmark's shape (8 query heads over 2 KV heads, head_dim 64, blocks of 16) at contexts of hundreds of
+    tokens: many blocks per request, requests of very different spans sharing one gather buffer, in both orders."""
+    requests = [(300, 1), (0, 40), (129, 1), (200, 17), (15, 1)]
+    for order in (requests, requests[::-1]):
+        case = make_case(len(order), torch.float32, order, block_size=16, num_kv_heads=2, group=4, head_dim=64,
+                         sliding_window=sliding_window, num_pad=2)  # fmt: skip
+        with interpret(False):  # hundreds of keys per request: too slow for the interpreter
+            check_against_spec(case, torch.float32)
+
+
 def test_paged_attention_matches_dense_sdpa(mode: str) -> None:
     """Independently of spec: torch SDPA over each request's contiguous keys, with a bottom-right causal mask."""
     case = make_case(5, torch.float32, MIXED, block_size=4, num_kv_heads=2, group=3, head_dim=12)

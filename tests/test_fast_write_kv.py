@@ -108,9 +108,18 @@ def test_write_kv_strided_cache(mode: str) -> None:
     assert (padded_k[:, 4] == 7.0).all() and (padded_v[:, 4] == 7.0).all()  # the padding stays untouched
 
 
+def test_write_kv_int32_slots(mode: str) -> None:
+    """int32 slot mappings (with padding and without) write what spec writes with the same slots."""
+    for num_pad in (0, 4):
+        key_cache, value_cache, key, value, slots = _case(11 + num_pad, 6, 4, 2, 12, 10, num_pad, torch.float16)
+        _check_against_spec(key_cache, value_cache, key, value, slots.to(torch.int32))
+
+
+@pytest.mark.parametrize("num_pad", [0, 2])  # without padding, and with it (the path that selects real tokens)
 @pytest.mark.parametrize("bad_slot", [6 * 4, -2])
-def test_write_kv_rejects_slots_outside_the_cache(mode: str, bad_slot: int) -> None:
+def test_write_kv_rejects_slots_outside_the_cache(mode: str, bad_slot: int, num_pad: int) -> None:
     key_cache, value_cache, key, value, slots = _case(3, 6, 4, 2, 12, 5, 0, torch.float32)
+    slots[:num_pad] = PAD_SLOT_ID
     slots[2] = bad_slot
     before_k, before_v = key_cache.clone(), value_cache.clone()
     with pytest.raises(ValueError, match="outside"):
