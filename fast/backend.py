@@ -2,7 +2,9 @@
 
 `backend_handle(interpret=True)` runs every pool method and kernel inside `interpret(True)` (Triton's
 interpreter on CPU tensors), `interpret=False` inside `interpret(False)` (vectorised torch ops on CPU),
-so both CPU modes can be tested in one process whatever SLOTMAP_TRITON_INTERPRET says. With CUDA
+so both CPU modes can be tested in one process whatever SLOTMAP_TRITON_INTERPRET says. Pools are built
+inside that mode, since a pool fixes its mode at construction (fast-interpret: separate state written
+by the Triton kernels; fast: state shared with the host mirror). With CUDA
 available the handle works on CUDA tensors, where the mode is irrelevant (compiled Triton).
 """
 
@@ -69,7 +71,9 @@ class _ModeBackend:
         self.paged_attention = _in_mode(paged_attention, enabled)
 
     def RequestStatePool(self, config: WorkerConfig) -> _ModePool:  # noqa: N802 - spec.Backend's name
-        return _ModePool(RequestStatePool(config, device=self.device), self.enabled)
+        with interpret(self.enabled):  # a pool fixes its kernel mode when built (fast/pool.py)
+            pool = RequestStatePool(config, device=self.device)
+        return _ModePool(pool, self.enabled)
 
 
 def backend_handle(interpret: bool) -> BackendHandle:

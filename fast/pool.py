@@ -1,14 +1,22 @@
 """The request state pool on torch tensors: spec/pool.py's interface, with the state on `device`.
 
-    pool.apply(sched)                  # validate on the host mirror, then one packed write to the device
-    batch = pool.prepare(sched)        # batch order on the host, then one kernel launch (CUDA/interpreter)
+    pool.apply(sched)                  # validate on the host mirror, then write the step's changes
+    batch = pool.prepare(sched)        # batch order on the host, then the batch's arrays
     pool.record_sampled(batch, ids)    # append each finished row's sampled token
 
-On CUDA (or CPU with the Triton interpreter on, see fast.runtime) apply and prepare launch one
-Triton kernel each. On plain CPU tensors apply scatters with torch index writes, and prepare does the
-index arithmetic the host already knows in NumPy and reads the device state with torch gathers
-(fast/flatten.py says why). prepare never waits for the device: everything it needs on the host
-(rows, batch order, token counts) is in the host mirror.
+The kernel mode is fixed when the pool is built (fast.runtime.use_triton at that moment), and every
+later call runs in it whatever `fast.runtime.interpret` says then:
+- Triton (CUDA tensors, or CPU tensors with the interpreter on): the state lives in separate tensors
+  (fast.state.DeviceState); apply validates on the host mirror and then launches one kernel that writes
+  the step's final values, prepare launches one kernel that builds the whole batch. The tests compare
+  that separate state with spec's, so the kernels' writes are really checked.
+- CPU without Triton: the "device" is host memory, so the tensors share memory with the host mirror
+  (DeviceState's shared mode): apply's commit to the mirror is the device write, and prepare is NumPy
+  over the shared arrays (fast/flatten.py, fast/slots.py) writing into two fresh buffers that the
+  batch's tensors view. A decode step validated in bulk (fast/validate.py) also hands prepare the
+  rows, positions and slots it already computed.
+prepare never waits for the device: everything it needs on the host (rows, batch order, token counts)
+is in the host mirror. Every prepare returns tensors in fresh memory: a later step never changes them.
 
 apply validates the common decode step (continuing requests only) in bulk (fast/validate.py) and
 everything else with spec's plan_step, so both raise spec's errors in spec's order.
@@ -19,17 +27,17 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fast.batch import batch_order
-from fast.flatten import flatten
+from fast.batch import batch_order, scheduled_rows
+from fast.flatten import flatten, gather_input_ids
 from fast.kernels.prepare import prepare_triton
-from fast.runtime import use_triton
+from fast.runtime import interpret, interpret_enabled, use_triton
 from fast.slots import gather_block_tables, slot_mapping
 from fast.state import DeviceState
-from fast.validate import CachedStepPlan, plan_cached_step
+from fast.validate import CachedStepPlan, last_null_entries, plan_cached_step
 from fast.writes import StepWrites, apply_writes, ranges, table_diff_ops, upload, writes_from_ops
 from spec.errors import InconsistentSchedulerOutputError, ModelLengthError, TokenIdError, UnknownRequestError
 from spec.state import PoolState
-from spec.types import INDEX_DTYPE, BatchInputs, PoolSnapshot, RowSnapshot, SchedulerOutput, WorkerConfig
+from spec.types import INDEX_DTYPE, PAD_SLOT_ID, BatchInputs, PoolSnapshot, RowSnapshot, SchedulerOutput, WorkerConfig
 from spec.validate import plan_step
 
 
@@ -37,41 +45,67 @@ class RequestStatePool:
     def __init__(self, config: WorkerConfig, device: str | torch.device = "cpu") -> None:
         self.config = config
         self.device = torch.device(device)
+        self._triton = use_triton(self.device)  # the kernel mode, fixed for the pool's life (module docstring)
+        self._interpret = interpret_enabled()
+        if not self._triton and self.device.type != "cpu":
+            raise ValueError(f"fast runs on CUDA (Triton) or CPU tensors, not {self.device}")
         self.state = PoolState(config)  # host mirror: validation and batch order read only this
-        self.dev = DeviceState(config, self.device)
+        self.dev = DeviceState(config, self.device, mirror=None if self._triton else self.state)
+        # per sliding-window group [R]: last null entry of each row's table (fast.validate.last_null_entries)
+        self._null_tails = [
+            np.full(config.max_num_reqs, -1, np.int64) if g.sliding_window is not None else None
+            for g in config.kv_groups
+        ]
+        self._table_layout = list(zip(self.dev.offsets_np.tolist(), self.dev.widths_np.tolist(), strict=True))
         self._applied: SchedulerOutput | None = None
+        self._plan: CachedStepPlan | None = None  # the bulk plan of the applied step, if it had one
         # host copies of the last prepared batch, so record_sampled needs no device->host copy of them
         self._prepared: BatchInputs | None = None
         self._prepared_rows_np = np.zeros(0, np.int64)  # [num_reqs] batch_idx -> req_state_idx
         self._prepared_seq_lens_np = np.zeros(0, np.int64)  # [num_reqs]
 
     def apply(self, sched: SchedulerOutput) -> None:
-        bulk = plan_cached_step(self.state, sched)
-        writes = self._commit_cached(bulk) if bulk is not None else self._commit_general(sched)
-        apply_writes(self.dev, writes)
-        self._applied = sched
+        plan = plan_cached_step(self.state, sched, self._null_tails)
+        writes = self._commit_cached(plan) if plan is not None else self._commit_general(sched)
+        if writes is not None:
+            with interpret(self._interpret):
+                apply_writes(self.dev, writes)
+        self._applied, self._plan = sched, plan
 
-    def _commit_cached(self, plan: CachedStepPlan) -> StepWrites:
+    def _commit_cached(self, plan: CachedStepPlan) -> StepWrites | None:
         state = self.state
-        ops = plan.table_ops
-        if len(ops):
-            row, group, lo, hi, _, src = ops.T
-            for g in np.unique(group).tolist():  # appends: a handful of groups, each one vectorised scatter
-                mine = group == g
-                op, within = ranges((hi - lo)[mine])
-                state.block_tables[g][row[mine][op], lo[mine][op] + within] = plan.data[src[mine][op] + within]
-                state.num_blocks[g, row[mine]] = hi[mine]
+        for g, a in enumerate(plan.appends):  # appends only, past each row's filled entries: no null among them
+            if a.rows.size:
+                table = state.block_tables[g]
+                if a.ids.size == a.rows.size:  # one id per request (a decode crossing a block boundary)
+                    table[a.rows, a.counts] = a.ids
+                else:
+                    op, within = ranges(a.lengths)
+                    table[a.rows[op], a.counts[op] + within] = a.ids
+                state.num_blocks[g, a.rows] = a.counts + a.lengths
         state.num_computed_tokens[plan.rows] = plan.num_computed
-        return writes_from_ops(ops, plan.data, [], plan.rows, plan.num_computed)
+        if self.dev.shared:
+            return None  # the mirror's arrays are the device's
+        table_ops, table_data = plan.table_ops()
+        return writes_from_ops(table_ops, table_data, [], plan.rows, plan.num_computed)
 
-    def _commit_general(self, sched: SchedulerOutput) -> StepWrites:
+    def _commit_general(self, sched: SchedulerOutput) -> StepWrites | None:
         state = self.state
         plan = plan_step(state, sched)  # raises spec's error before anything below runs
         update_rows = [u.row for u in plan.table_updates]
         touched = np.array(sorted({*plan.freed_rows, *plan.new_rows, *update_rows}), np.int64)
-        before = [table[touched] for table in state.block_tables]
+        before = [] if self.dev.shared else [table[touched] for table in state.block_tables]
         new = sched.new_requests
         state.commit(plan, [r.req_id for r in new], [len(r.prompt_token_ids) for r in new])
+        for g, tails in enumerate(self._null_tails):
+            if tails is not None and touched.size:
+                tails[touched] = last_null_entries(state, g, touched)
+        if self.dev.shared:
+            token_ids = self.dev.token_ids_np
+            assert token_ids is not None
+            for row, r in zip(plan.new_rows, new, strict=True):
+                token_ids[row, : len(r.prompt_token_ids)] = r.prompt_token_ids
+            return None
         table_ops, table_data = table_diff_ops(touched, before, state.block_tables, state.num_blocks)
         computed_rows = np.array(sorted({*plan.freed_rows, *plan.num_computed_tokens}), np.int64)
         return writes_from_ops(
@@ -85,72 +119,120 @@ class RequestStatePool:
     def prepare(self, sched: SchedulerOutput, pad_to: int | None = None) -> BatchInputs:
         if sched is not self._applied and sched != self._applied:
             raise InconsistentSchedulerOutputError(None, "prepare", "not the last applied scheduler output")
-        req_ids, index_mapping_np, num_scheduled_np = batch_order(sched, self.state.row_of)
-        num_reqs = len(req_ids)
-        query_start_loc_np = np.zeros(num_reqs + 1, np.int64)
-        np.cumsum(num_scheduled_np, out=query_start_loc_np[1:])
-        num_tokens = int(query_start_loc_np[-1])
+        plan = self._plan if sched is self._applied else None
+        if plan is not None and plan.in_schedule_order:
+            ordered = batch_order(plan.req_ids, plan.rows, plan.num_scheduled, known_sorted=plan.uniform)
+        else:
+            plan = None
+            ordered = batch_order(*scheduled_rows(sched, self.state.row_of))
+        req_ids, rows, num_scheduled, unchanged = ordered
+        tokens_from = plan if unchanged else None  # its token arrays are in its request order
+        cu_num_tokens = num_scheduled.cumsum()  # [num_reqs] int64
+        num_tokens = int(cu_num_tokens[-1]) if len(req_ids) else 0
         padded = num_tokens if pad_to is None else pad_to
         if padded < num_tokens:
             raise InconsistentSchedulerOutputError(None, "pad_to", f"{pad_to} < {num_tokens} scheduled tokens")
-        # the small host arrays travel in one copy: index_mapping | num_scheduled | query_start_loc
-        batch_np = np.concatenate([index_mapping_np, num_scheduled_np, query_start_loc_np]).astype(INDEX_DTYPE)
-        batch_dev = upload(batch_np, self.device)
-        index_mapping = batch_dev[:num_reqs]
-        num_scheduled = batch_dev[num_reqs : 2 * num_reqs]
-        query_start_loc = batch_dev[2 * num_reqs :]
-        groups = self.config.kv_groups
-        if use_triton(self.device):
-            out = prepare_triton(self.dev, batch_dev, num_reqs, num_tokens, padded)
-            arrays = (
-                out.positions,
-                out.input_ids,
-                out.seq_lens,
-                out.logits_indices,
-                out.block_tables,
-                out.slot_mappings,
-            )
+        seq_lens = self.state.num_computed_tokens[rows] + num_scheduled  # [num_reqs] int64
+        if self.dev.shared:
+            batch = self._prepare_host(req_ids, rows, num_scheduled, cu_num_tokens, seq_lens, padded, tokens_from)
         else:
-            flat = flatten(
-                index_mapping_np,
-                num_scheduled_np,
-                query_start_loc_np,
-                self.state.num_computed_tokens,
-                self.dev.token_ids,
-                padded,
-            )
-            tables = [self.dev.table(g) for g in range(len(groups))]
-            arrays = (
-                flat.positions,
-                flat.input_ids,
-                flat.seq_lens,
-                flat.logits_indices,
-                tuple(gather_block_tables(t, index_mapping_np) for t in tables),
-                tuple(
-                    slot_mapping(t, flat.token_rows_np, flat.positions_np, g.block_size)
-                    for t, g in zip(tables, groups, strict=True)
-                ),
-            )
-        positions, input_ids, seq_lens, logits_indices, block_tables, slot_mappings = arrays
-        batch = BatchInputs(
+            with interpret(self._interpret):
+                batch = self._prepare_kernel(req_ids, rows, num_scheduled, cu_num_tokens, padded)
+        self._prepared = batch
+        self._prepared_rows_np = rows
+        self._prepared_seq_lens_np = seq_lens
+        return batch
+
+    def _prepare_kernel(
+        self,
+        req_ids: tuple[str, ...],
+        rows: np.ndarray,  # [num_reqs] int64 batch_idx -> req_state_idx
+        num_scheduled: np.ndarray,  # [num_reqs] int64
+        cu_num_tokens: np.ndarray,  # [num_reqs] int64
+        padded: int,
+    ) -> BatchInputs:
+        num_reqs = len(req_ids)
+        num_tokens = int(cu_num_tokens[-1]) if num_reqs else 0
+        # the small host arrays travel in one copy: index_mapping | num_scheduled | query_start_loc
+        batch_np = np.concatenate([rows, num_scheduled, [0], cu_num_tokens]).astype(INDEX_DTYPE)
+        batch_dev = upload(batch_np, self.device)
+        out = prepare_triton(self.dev, batch_dev, num_reqs, num_tokens, padded)
+        return BatchInputs(
             req_ids=req_ids,
-            index_mapping=index_mapping,
-            num_scheduled_tokens=num_scheduled,
-            query_start_loc=query_start_loc,
-            positions=positions,
-            input_ids=input_ids,
-            seq_lens=seq_lens,
-            logits_indices=logits_indices,
-            block_tables=block_tables,
-            slot_mappings=slot_mappings,
+            index_mapping=batch_dev[:num_reqs],
+            num_scheduled_tokens=batch_dev[num_reqs : 2 * num_reqs],
+            query_start_loc=batch_dev[2 * num_reqs :],
+            positions=out.positions,
+            input_ids=out.input_ids,
+            seq_lens=out.seq_lens,
+            logits_indices=out.logits_indices,
+            block_tables=out.block_tables,
+            slot_mappings=out.slot_mappings,
             num_tokens=num_tokens,
             num_tokens_padded=padded,
         )
-        rows_np = index_mapping_np.astype(np.int64)
-        self._prepared = batch
-        self._prepared_rows_np = rows_np
-        self._prepared_seq_lens_np = self.state.num_computed_tokens[rows_np] + num_scheduled_np
-        return batch
+
+    def _prepare_host(
+        self,
+        req_ids: tuple[str, ...],
+        rows: np.ndarray,  # [num_reqs] int64 batch_idx -> req_state_idx
+        num_scheduled: np.ndarray,  # [num_reqs] int64
+        cu_num_tokens: np.ndarray,  # [num_reqs] int64
+        seq_lens: np.ndarray,  # [num_reqs] int64
+        padded: int,
+        plan: CachedStepPlan | None,  # the applied step's bulk plan, when its request order is the batch order
+    ) -> BatchInputs:
+        dev, state, groups = self.dev, self.state, self.config.kv_groups
+        n, t = len(req_ids), padded
+        num_tokens = int(cu_num_tokens[-1]) if n else 0
+        # Two fresh buffers per step, carved into the batch's arrays (as fast.kernels.prepare does):
+        # out32 = index_mapping | num_scheduled | query_start_loc | seq_lens | logits_indices | tables per group
+        out32 = np.empty(5 * n + 1 + n * dev.total_width, np.int32)
+        out32[:n] = rows
+        out32[n : 2 * n] = num_scheduled
+        out32[2 * n] = 0
+        out32[2 * n + 1 : 3 * n + 1] = cu_num_tokens
+        out32[3 * n + 1 : 4 * n + 1] = seq_lens
+        np.subtract(cu_num_tokens, 1, out=out32[4 * n + 1 : 5 * n + 1])
+        tables = out32[5 * n + 1 :]
+        block_tables = [
+            gather_block_tables(state.block_tables[g], rows, out=tables[n * off : n * (off + w)].reshape(n, w))
+            for g, (off, w) in enumerate(self._table_layout)
+        ]
+        # out64 = positions | input_ids | slot mapping per group, each [T]
+        out64 = np.empty((2 + len(groups)) * t, np.int64)
+        positions = out64[:t]
+        if plan is not None:
+            token_rows = plan.token_rows
+            positions[:num_tokens] = plan.positions
+        else:
+            token_rows, positions[:num_tokens] = flatten(rows, num_scheduled, state.num_computed_tokens)
+        positions[num_tokens:] = 0
+        assert dev.token_ids_np is not None
+        gather_input_ids(dev.token_ids_np, token_rows, positions[:num_tokens], out64[t : 2 * t])
+        for g, group in enumerate(groups):
+            slots = out64[(2 + g) * t : (3 + g) * t]
+            if plan is not None:
+                slots[:num_tokens] = plan.slots[g]
+                slots[num_tokens:] = PAD_SLOT_ID
+            else:
+                slot_mapping(state.block_tables[g], token_rows, positions, group.block_size, out=slots)
+        # one torch.from_numpy per array: cheaper than slicing one tensor (torch indexing costs more than NumPy's)
+        wrap = torch.from_numpy
+        return BatchInputs(
+            req_ids=req_ids,
+            index_mapping=wrap(out32[:n]),
+            num_scheduled_tokens=wrap(out32[n : 2 * n]),
+            query_start_loc=wrap(out32[2 * n : 3 * n + 1]),
+            positions=wrap(positions),
+            input_ids=wrap(out64[t : 2 * t]),
+            seq_lens=wrap(out32[3 * n + 1 : 4 * n + 1]),
+            logits_indices=wrap(out32[4 * n + 1 : 5 * n + 1]),
+            block_tables=tuple(map(wrap, block_tables)),
+            slot_mappings=tuple(wrap(out64[(2 + g) * t : (3 + g) * t]) for g in range(len(groups))),
+            num_tokens=num_tokens,
+            num_tokens_padded=padded,
+        )
 
     def record_sampled(self, batch: BatchInputs, sampled_token_ids: object) -> None:
         """spec.RequestStatePool.record_sampled on device state: same rows, same errors, same order of checks."""
@@ -165,27 +247,34 @@ class RequestStatePool:
             rows = _host_array(batch.index_mapping).astype(np.int64)
             seq_lens = _host_array(batch.seq_lens)
         num_tokens = self.state.num_tokens
-        takes = np.flatnonzero(seq_lens == num_tokens[rows])  # [k] batch_idx of rows that reached the end
-        taking_rows = rows[takes]
-        tokens = sampled[takes]
+        known = num_tokens[rows]  # [num_reqs]
+        takes = np.flatnonzero(seq_lens == known)  # [k] batch_idx of rows that reached the end
+        if not takes.size:
+            return
+        if takes.size == rows.size:  # every row samples (a decode step): no subsetting
+            taking_rows, tokens, lengths = rows, sampled, known
+        else:
+            taking_rows, tokens, lengths = rows[takes], sampled[takes], known[takes]
         if tokens.dtype.kind == "f":
             tokens = np.trunc(tokens)  # as spec's int(token)
-        bad_id = ~((tokens >= 0) & (tokens < self.config.vocab_size))
-        bad_len = num_tokens[taking_rows] >= self.config.max_model_len
-        bad = np.flatnonzero(bad_id | bad_len)
-        if bad.size:
-            first = int(bad[0])
-            req_id = batch.req_ids[int(takes[first])]
-            if bad_id[first]:
-                raise TokenIdError(
-                    req_id, "sampled_token_ids", f"{int(tokens[first])} not in [0, {self.config.vocab_size})"
-                )
-            raise ModelLengthError(req_id, "sampled_token_ids", "no room past max_model_len")
-        if takes.size:
-            flat = taking_rows * self.config.max_model_len + num_tokens[taking_rows]
+        vocab, max_len = self.config.vocab_size, self.config.max_model_len
+        # three reductions clear the common case; anything else (NaN, odd dtypes, a real error) is looked at whole
+        if tokens.dtype.kind != "i" or tokens.min() < 0 or tokens.max() >= vocab or lengths.max() >= max_len:
+            bad_id = ~((tokens >= 0) & (tokens < vocab))
+            bad = np.flatnonzero(bad_id | (lengths >= max_len))
+            if bad.size:
+                first = int(bad[0])
+                req_id = batch.req_ids[int(takes[first])]
+                if bad_id[first]:
+                    raise TokenIdError(req_id, "sampled_token_ids", f"{int(tokens[first])} not in [0, {vocab})")
+                raise ModelLengthError(req_id, "sampled_token_ids", "no room past max_model_len")
+        if self.dev.token_ids_np is not None:
+            self.dev.token_ids_np[taking_rows, lengths] = tokens
+        else:
+            flat = taking_rows * max_len + lengths
             packed = upload(np.concatenate([flat, tokens.astype(np.int64)]), self.device)
             self.dev.token_ids.view(-1)[packed[: takes.size]] = packed[takes.size :]
-            num_tokens[taking_rows] += 1
+        num_tokens[taking_rows] += 1
 
     def row_of(self, req_id: str) -> int:
         if req_id not in self.state.row_of:
@@ -195,7 +284,10 @@ class RequestStatePool:
     def snapshot(self) -> PoolSnapshot:
         state = self.state
         occupied = [row for row, req_id in enumerate(state.req_ids) if req_id is not None]
-        token_ids = self.dev.token_ids[occupied].cpu().numpy()  # [occupied, L], one device->host copy
+        if self.dev.token_ids_np is not None:
+            token_ids = self.dev.token_ids_np[occupied]
+        else:
+            token_ids = self.dev.token_ids[occupied].cpu().numpy()  # [occupied, L], one device->host copy
         return tuple(
             RowSnapshot(
                 row=row,

@@ -2,7 +2,9 @@
 
 CPU tensors take the vectorised torch path unless the interpreter is on, either for the whole process
 (`SLOTMAP_TRITON_INTERPRET=1` in the environment) or for a block of code (`with interpret(True):`),
-so that CI, which has no GPU, still executes the real kernel code. Both kernel flavours are built
+so that CI, which has no GPU, still executes the real kernel code. A fast.RequestStatePool reads the
+mode once, when it is built, and keeps it (its state layout depends on it, see fast/pool.py); the
+kernels called on their own (write_kv, paged_attention) read it at each call. Both kernel flavours are built
 from the same Python function, so spec-vs-fast and spec-vs-fast-interpret can run in one process.
 """
 

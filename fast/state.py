@@ -7,6 +7,13 @@ choice of what to upload never need a device->host copy.
 All groups' block tables live in ONE flat int32 tensor, group g's table being the contiguous
 [R, max_blocks_per_req(g)] slice starting at R * table_offset(g). One buffer means one kernel
 argument for every group, so a single launch can address all of them.
+
+Shared state (`DeviceState(config, cpu, mirror=pool_state)`): on CPU without kernels the "device" is
+host memory, so keeping a second copy would only double every write. The tensors are then views of
+the mirror's arrays (the mirror's block tables become views of one flat buffer, as above) and of a
+NumPy token array, `token_ids_np`: a commit to the mirror is the device write. `num_blocks` is then
+the mirror's int64 array (nothing on the host path reads it as int32). With Triton (CUDA, or CPU under
+the interpreter) the state stays separate, so the kernels' writes are what the tests check.
 """
 
 from __future__ import annotations
@@ -14,7 +21,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from spec.types import WorkerConfig
+from spec.state import PoolState
+from spec.types import NULL_BLOCK_ID, WorkerConfig
 
 # Rows of DeviceState.group_meta, each indexed by group.
 META_BLOCK_SIZE = 0
@@ -24,7 +32,7 @@ META_ROWS = 3
 
 
 class DeviceState:
-    def __init__(self, config: WorkerConfig, device: torch.device) -> None:
+    def __init__(self, config: WorkerConfig, device: torch.device, mirror: PoolState | None = None) -> None:
         self.config = config
         self.device = device
         rows, groups = config.max_num_reqs, len(config.kv_groups)
@@ -37,10 +45,26 @@ class DeviceState:
         self.group_meta = torch.from_numpy(  # [META_ROWS, G] int64, see META_*
             np.stack([self.block_sizes_np, widths, offsets])
         ).to(device)
-        self.token_ids = torch.zeros((rows, config.max_model_len), dtype=torch.int64, device=device)  # [R, L]
-        self.tables = torch.zeros(rows * self.total_width, dtype=torch.int32, device=device)  # all groups, flat
-        self.num_blocks = torch.zeros((groups, rows), dtype=torch.int32, device=device)  # [G, R] filled entries
-        self.num_computed = torch.zeros(rows, dtype=torch.int64, device=device)  # [R]
+        self.shared = mirror is not None
+        if mirror is None:
+            self.token_ids_np: np.ndarray | None = None
+            self.token_ids = torch.zeros((rows, config.max_model_len), dtype=torch.int64, device=device)  # [R, L]
+            self.tables = torch.zeros(rows * self.total_width, dtype=torch.int32, device=device)  # all groups, flat
+            self.num_blocks = torch.zeros((groups, rows), dtype=torch.int32, device=device)  # [G, R] filled entries
+            self.num_computed = torch.zeros(rows, dtype=torch.int64, device=device)  # [R]
+        else:
+            if device.type != "cpu":
+                raise ValueError(f"only CPU state can be shared with the host mirror, not {device}")
+            flat = np.full(rows * self.total_width, NULL_BLOCK_ID, np.int32)  # [R * total_width] all groups
+            mirror.block_tables = [  # same values (all NULL), now views of the one buffer the tensors share
+                flat[rows * int(off) : rows * int(off + width)].reshape(rows, int(width))
+                for off, width in zip(offsets, widths, strict=True)
+            ]
+            self.token_ids_np = np.zeros((rows, config.max_model_len), np.int64)  # [R, L]
+            self.token_ids = torch.from_numpy(self.token_ids_np)
+            self.tables = torch.from_numpy(flat)
+            self.num_blocks = torch.from_numpy(mirror.num_blocks)  # [G, R] int64, the mirror's
+            self.num_computed = torch.from_numpy(mirror.num_computed_tokens)  # [R]
 
         self._table_views = tuple(  # per group: a contiguous [R, max_blocks_per_req(g)] view of `tables`
             self.tables[rows * int(off) : rows * int(off + width)].view(rows, int(width))

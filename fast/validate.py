@@ -6,81 +6,186 @@ at once. It never raises: it returns None whenever the step has another shape or
 fails, and the pool then calls plan_step, which either raises the error spec raises or accepts a step
 this fast path did not cover. So a step accepted here is one plan_step accepts, with the same effect.
 
-It relies on an invariant that plan_step establishes: every committed table already passed the
-block-id checks (tables change only for scheduled requests, and those are checked whole), so only
-the appended ids need checking against them.
+It relies on invariants of the pool state that plan_step and record_sampled establish:
+- every committed table already passed the block-id checks (tables change only for scheduled requests,
+  and those are checked whole), so only the appended ids need checking against them;
+- entries past a row's block count hold NULL_BLOCK_ID (commit clears them), and appended ids are >= 1,
+  so an appended id can be compared with the whole stored row;
+- num_tokens[row] <= max_model_len (prompts are checked, record_sampled refuses past it), so
+  seq_len <= num_tokens (check 8) already implies seq_len <= max_model_len (check 7).
+
+A step accepted here also yields what prepare recomputes otherwise: every scheduled token's row,
+position and slot per group, in the scheduler's order of cached requests.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 
-from fast.writes import ranges
+from fast.writes import TABLE_OP_FIELDS, ranges
 from spec.state import PoolState
 from spec.types import NULL_BLOCK_ID, SchedulerOutput
+
+# Above this many (appended id x table entry) comparisons, freshness of appended ids is checked by sorting.
+_DIRECT_COMPARE_LIMIT = 1 << 16
+_INT = {int}
+
+
+@dataclass(frozen=True)
+class GroupAppends:
+    rows: np.ndarray  # [k] int64, req_state_idx of each request appending to this group
+    counts: np.ndarray  # [k] int64, its filled entries before the step
+    lengths: np.ndarray  # [k] int64 (>= 1), ids it appends
+    ids: np.ndarray  # [sum(lengths)] int64, the appended ids, request after request
 
 
 @dataclass(frozen=True)
 class CachedStepPlan:
-    rows: np.ndarray  # [n] int64, req_state_idx of each cached request (scheduler order)
+    req_ids: list[str]  # [n] cached requests, scheduler order
+    rows: np.ndarray  # [n] int64, req_state_idx of each cached request
     num_computed: np.ndarray  # [n] int64, num_computed_tokens after the step
-    table_ops: np.ndarray  # [n_t, 6] int64: row, group, lo, hi, count, data index (fast.writes layout)
-    data: np.ndarray  # [D] int64, the appended block ids
+    num_scheduled: np.ndarray  # [n] int64
+    in_schedule_order: bool  # req_ids is also the order of sched.num_scheduled_tokens (the batch tie-break)
+    uniform: bool  # every request schedules the same number of tokens (so the batch order is req_ids')
+    token_rows: np.ndarray  # [num_tokens] int64, flat token index -> req_state_idx, requests in req_ids order
+    positions: np.ndarray  # [num_tokens] int64
+    slots: tuple[np.ndarray, ...]  # per group [num_tokens] int64, through the tables as they stand after the step
+    appends: tuple[GroupAppends, ...]  # per group
+
+    def table_ops(self) -> tuple[np.ndarray, np.ndarray]:
+        """The appends as fast.writes table ops ([n_t, 6] int64) and their data ([D] int64)."""
+        ops, data = [], []
+        data_len = 0
+        for g, a in enumerate(self.appends):
+            if a.rows.size:
+                after = a.counts + a.lengths
+                index = data_len + np.cumsum(a.lengths) - a.lengths
+                ops.append(np.stack([a.rows, np.full_like(a.rows, g), a.counts, after, after, index], axis=1))
+                data.append(a.ids)
+                data_len += a.ids.size
+        if not ops:
+            return np.zeros((0, TABLE_OP_FIELDS), np.int64), np.zeros(0, np.int64)
+        return np.concatenate(ops), np.concatenate(data)
 
 
-def plan_cached_step(state: PoolState, sched: SchedulerOutput) -> CachedStepPlan | None:
+def plan_cached_step(
+    state: PoolState,
+    sched: SchedulerOutput,
+    null_tails: list[np.ndarray | None] | None = None,  # per group [R] from last_null_entries, or None to scan
+) -> CachedStepPlan | None:
     if sched.new_requests or sched.finished_req_ids:
         return None
     config = state.config
     cached = sched.cached_requests
     scheduled = sched.num_scheduled_tokens
     n = len(cached)
-    # one pass over the request objects: at 256+ requests the Python attribute reads are a large share
-    fields = [(c.req_id, c.num_computed_tokens, c.new_block_ids, c.resumed) for c in cached]
-    req_ids, computed, new_blocks, resumed = zip(*fields, strict=True) if fields else ((), (), (), ())
-    if any(resumed) or len(scheduled) != n or len(set(req_ids)) != n or scheduled.keys() != set(req_ids):
+    if not n or len(scheduled) != n:
         return None
-    num_computed = np.array(computed)
-    num_scheduled = np.array(list(map(scheduled.__getitem__, req_ids)))  # non-integer values fall back below
-    if n and (num_computed.dtype.kind not in "iu" or num_scheduled.dtype.kind not in "iu"):
+    # separate comprehensions: at 256+ requests the Python attribute reads are a large share of the step
+    req_ids = [c.req_id for c in cached]
+    if [c.resumed for c in cached].count(False) != n:  # any resumed (or a non-bool flag): plan_step decides
         return None
-    num_computed, num_scheduled = num_computed.astype(np.int64), num_scheduled.astype(np.int64)
+    computed = [c.num_computed_tokens for c in cached]
+    new_blocks = [c.new_block_ids for c in cached]
+    keys = list(scheduled)
+    in_order = keys == req_ids  # dict keys are unique, so this also rules out repeated req_ids
+    if in_order:
+        counts = [*scheduled.values()]
+        req_ids = keys  # equal strings whose hashes the dict already computed: faster row lookups
+    else:
+        if len(set(req_ids)) != n or scheduled.keys() != set(req_ids):
+            return None
+        counts = [scheduled[r] for r in req_ids]
+    if set(map(type, counts)) != _INT or set(map(type, computed)) != _INT:  # numpy ints, bools, floats: spec's
+        return None
+    num_tokens = sum(counts)
+    low = min(counts)
+    if num_tokens > config.max_num_batched_tokens or low < 1 or min(computed) < 0:
+        return None
     try:
         rows = np.fromiter(map(state.row_of.__getitem__, req_ids), np.int64, n)
-    except KeyError:
+        num_scheduled = np.fromiter(counts, np.int64, n)
+        num_computed = np.fromiter(computed, np.int64, n)
+    except (KeyError, OverflowError):
         return None
     seq_lens = num_computed + num_scheduled
-    if n and (
-        num_computed.min() < 0
-        or num_scheduled.min() < 1
-        or num_scheduled.sum() > config.max_num_batched_tokens
-        or seq_lens.max() > config.max_model_len
-        or (seq_lens > state.num_tokens[rows]).any()
-    ):
+    if (seq_lens > state.num_tokens[rows]).any():  # also covers max_model_len, see the module docstring
         return None
-    appending = [i for i, ids in enumerate(new_blocks) if ids is not None]
-    if any(len(new_blocks[i]) != len(config.kv_groups) for i in appending):
+    appends = _appended_ids(new_blocks, len(config.kv_groups))
+    if appends is None:
         return None
 
-    ops: list[np.ndarray] = []
-    data: list[np.ndarray] = []
-    data_len = 0
+    uniform = low * n == num_tokens
+    if num_tokens == n:  # decode: one token per request
+        token_req = None
+        token_rows, positions = rows, num_computed
+    else:
+        token_req, within = ranges(num_scheduled)
+        token_rows, positions = rows[token_req], num_computed[token_req] + within
+    last = seq_lens - 1  # [n] last position written
+    slots = []
+    group_appends = []
     for g in range(len(config.kv_groups)):
-        group_ops = _check_group(state, g, rows, num_computed, num_scheduled, new_blocks, appending)
-        if group_ops is None:
+        tails = null_tails[g] if null_tails is not None else None
+        checked = _check_group(state, g, rows, num_computed, last, token_req, token_rows, positions, appends[g], tails)
+        if checked is None:
             return None
-        op_rows, counts_before, ids, lengths = group_ops
-        if lengths.size:
-            data_index = data_len + np.cumsum(lengths) - lengths
-            counts = counts_before + lengths
-            group = np.full_like(op_rows, g)
-            ops.append(np.stack([op_rows, group, counts_before, counts, counts, data_index], axis=1))
-            data.append(ids)
-            data_len += int(ids.size)
-    table_ops = np.concatenate(ops) if ops else np.zeros((0, 6), np.int64)
-    return CachedStepPlan(rows, num_computed, table_ops, np.concatenate(data) if data else np.zeros(0, np.int64))
+        slots.append(checked[0])
+        group_appends.append(checked[1])
+    return CachedStepPlan(
+        req_ids=req_ids,
+        rows=rows,
+        num_computed=num_computed,
+        num_scheduled=num_scheduled,
+        in_schedule_order=in_order,
+        uniform=uniform,
+        token_rows=token_rows,
+        positions=positions,
+        slots=tuple(slots),
+        appends=tuple(group_appends),
+    )
+
+
+def last_null_entries(state: PoolState, g: int, rows: np.ndarray) -> np.ndarray:
+    """[k] int64: for each row, the index of the last NULL_BLOCK_ID among its filled entries in group g, or -1.
+
+    The pool keeps these for sliding-window groups (the only ones whose tables may hold the null block),
+    so the null-read check of a decode step looks at one number per request instead of its window.
+    """
+    table = state.block_tables[g][rows]  # [k, width]
+    width = table.shape[1]
+    null = (table == NULL_BLOCK_ID) & (np.arange(width) < state.num_blocks[g, rows][:, None])
+    return np.where(null.any(axis=1), width - 1 - np.argmax(null[:, ::-1], axis=1), -1).astype(np.int64)
+
+
+def _appended_ids(
+    new_blocks: list[tuple[tuple[int, ...], ...] | None],  # [n] per request per group, or None
+    num_groups: int,
+) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]] | None:
+    """Per group: (request index [k], lengths [k] >= 1, ids [sum]) of requests appending to it."""
+    none = np.zeros(0, np.int64)
+    if new_blocks.count(None) == len(new_blocks):
+        return [(none, none, none)] * num_groups
+    appending = [i for i, ids in enumerate(new_blocks) if ids is not None]
+    per_request = [new_blocks[i] for i in appending]
+    index = np.array(appending, np.int64)
+    out = []
+    try:  # malformed ids (not sequences, huge, nested): plan_step decides, and raises what spec raises
+        if list(map(len, per_request)).count(num_groups) != len(per_request):  # type: ignore[arg-type]
+            return None
+        for entries in zip(*per_request, strict=True):  # one tuple of per-request ids per group
+            lengths = np.fromiter(map(len, entries), np.int64, len(entries))
+            ids = np.array(list(chain.from_iterable(entries)), np.int64)
+            if ids.ndim != 1 or ids.size != int(lengths.sum()):
+                return None
+            has = lengths > 0
+            out.append((index[has], lengths[has], ids))
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return out
 
 
 def _check_group(
@@ -88,63 +193,114 @@ def _check_group(
     g: int,
     rows: np.ndarray,  # [n] req_state_idx
     num_computed: np.ndarray,  # [n]
-    num_scheduled: np.ndarray,  # [n]
-    new_blocks: tuple[tuple[tuple[int, ...], ...] | None, ...],  # [n], per request per group
-    appending: list[int],  # requests whose new_block_ids is not None
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
-    """Checks 9-13 for group g. Returns (rows, counts before, appended ids, lengths) of appending requests."""
+    last: np.ndarray,  # [n] last position each request writes
+    token_req: np.ndarray | None,  # [num_tokens] request index of each token; None: token i is request i's only
+    token_rows: np.ndarray,  # [num_tokens] req_state_idx
+    positions: np.ndarray,  # [num_tokens]
+    appended: tuple[np.ndarray, np.ndarray, np.ndarray],  # request index [k], lengths [k], ids
+    null_tails: np.ndarray | None,  # [R] last_null_entries of every row, or None
+) -> tuple[np.ndarray, GroupAppends] | None:
+    """Checks 9-13 for group g. Returns the group's slots [num_tokens] and its appends."""
     group = state.config.kv_groups[g]
     table = state.block_tables[g]
     block_size, width = group.block_size, table.shape[1]
-    counts = state.num_blocks[g, rows]  # [n] filled entries before the step
-
-    appended = [np.asarray(new_blocks[i][g], np.int64).reshape(-1) for i in appending]  # type: ignore[index]
-    lengths_app = np.array([a.size for a in appended], np.int64)
-    has = lengths_app > 0
-    app_req = np.array(appending, np.int64)[has]  # request index of each appending request
-    lengths_app = lengths_app[has]
-    ids = np.concatenate(appended) if appended else np.zeros(0, np.int64)
-    lengths = np.zeros(rows.size, np.int64)
-    lengths[app_req] = lengths_app
-    after = counts + lengths  # [n] entries after the step
+    counts = state.num_blocks[g][rows]  # [n] filled entries before the step
+    app_req, lengths, ids = appended
+    logical, offset = np.divmod(positions, block_size)  # [num_tokens]
+    last_block = logical if token_req is None else last // block_size  # [n]
     if ids.size:
         # out of range, a null placeholder (plan_step decides), past int32 (spec's int32 tables decide), or overflow
-        if ids.min() <= NULL_BLOCK_ID or ids.max() >= min(group.num_blocks, 2**31) or after.max() > width:
+        if ids.min() <= NULL_BLOCK_ID or ids.max() >= min(group.num_blocks, 2**31):
             return None
-        # appended ids must be new to their table: keys (appending request, block id), unique overall
-        existing = table[rows[app_req]].astype(np.int64)  # [k, width]
-        filled = np.arange(width) < counts[app_req, None]
-        keys_existing = (np.arange(app_req.size)[:, None] * group.num_blocks + existing)[filled & (existing != 0)]
-        keys_new = np.repeat(np.arange(app_req.size), lengths_app) * group.num_blocks + ids
-        if _has_repeats(np.concatenate([keys_existing, keys_new])):
+        app_counts = counts[app_req]
+        app_after = app_counts + lengths
+        if app_after.max() > width:
             return None
-
-    last = num_computed + num_scheduled - 1  # [n] last position written
-    if ((last // block_size) >= after).any():
-        return None  # a missing block
-    if group.sliding_window is not None:  # without a window, committed tables hold no null block
-        # only the entries read this step, and of those only committed ones (appended ids are >= 1)
-        lo = np.maximum(0, num_computed - group.sliding_window + 1) // block_size
-        hi = np.minimum(last // block_size, counts - 1)  # inclusive
-        which, within = ranges(np.maximum(hi - lo + 1, 0))
-        if (table[rows[which], lo[which] + within] == NULL_BLOCK_ID).any():
+        after = counts.copy()
+        after[app_req] = app_after
+        if (last_block >= after).any():
+            return None  # a missing block
+        app_rows = rows[app_req]
+        if not _fresh(table, app_rows, app_counts, lengths, ids, group.num_blocks):
             return None
+    else:
+        if (last_block >= counts).any():
+            return None  # a missing block
+        app_rows = app_counts = app_req
+    if group.sliding_window is not None and not _no_null_reads(
+        table, rows, counts, num_computed, last, group.sliding_window, block_size, null_tails
+    ):
+        return None
 
     # every scheduled token's slot, through the table as it will stand after the step
-    token_req, within = ranges(num_scheduled)
-    positions = num_computed[token_req] + within
-    logical = positions // block_size
-    physical = table[rows[token_req], logical].astype(np.int64)
+    physical = table.ravel()[token_rows * width + logical]  # [num_tokens] int32; appended entries read as NULL
     if ids.size:
-        start = np.cumsum(lengths) - lengths  # [n] where each request's appended ids begin in `ids`
-        beyond = logical >= counts[token_req]
-        physical[beyond] = ids[(start[token_req] + logical - counts[token_req])[beyond]]
-    if _has_repeats(physical * block_size + positions % block_size):
+        start = lengths.cumsum() - lengths  # [k] where each appending request's ids begin in `ids`
+        if token_req is None:  # decode: request i's one token is token i
+            reads = logical[app_req]
+            past = np.flatnonzero(reads >= app_counts)  # appending requests whose token lands in a new block
+            physical[app_req[past]] = ids[start[past] + reads[past] - app_counts[past]]
+        else:
+            start_of = np.zeros(rows.size, np.int64)
+            start_of[app_req] = start
+            beyond = np.flatnonzero(logical >= counts[token_req])
+            tok = token_req[beyond]
+            physical[beyond] = ids[start_of[tok] + logical[beyond] - counts[tok]]
+    slots = np.multiply(physical, block_size, dtype=np.int64)  # int64: may pass 2**31
+    slots += offset
+    if _has_repeats(slots):
         return None
-    return rows[app_req], counts[app_req], ids, lengths_app
+    return slots, GroupAppends(app_rows, app_counts, lengths, ids)
+
+
+def _fresh(
+    table: np.ndarray,  # [R, width] the group's committed table
+    app_rows: np.ndarray,  # [k] req_state_idx
+    counts: np.ndarray,  # [k] filled entries before the step
+    lengths: np.ndarray,  # [k]
+    ids: np.ndarray,  # [sum(lengths)] appended ids (all >= 1)
+    num_blocks: int,
+) -> bool:
+    """Appended ids are new to their table: not among its entries, and not repeated within one request."""
+    width = table.shape[1]
+    if ids.size == app_rows.size:  # one id per request (a decode crossing a block boundary): no repeats within
+        # unfilled entries are NULL and ids >= 1, so the whole stored row can be compared
+        return not (table[app_rows] == ids[:, None]).any()
+    id_req = np.arange(app_rows.size).repeat(lengths)  # [D] appending request of each id
+    if ids.size * width <= _DIRECT_COMPARE_LIMIT:
+        if (table[app_rows[id_req]] == ids[:, None]).any():
+            return False
+        return not _has_repeats(id_req * num_blocks + ids)
+    existing = table[app_rows].astype(np.int64)  # [k, width]
+    filled = np.arange(width) < counts[:, None]
+    keys_existing = (np.arange(app_rows.size)[:, None] * num_blocks + existing)[filled & (existing != 0)]
+    return not _has_repeats(np.concatenate([keys_existing, id_req * num_blocks + ids]))
+
+
+def _no_null_reads(
+    table: np.ndarray,  # [R, width]
+    rows: np.ndarray,  # [n]
+    counts: np.ndarray,  # [n] filled entries before the step
+    num_computed: np.ndarray,  # [n]
+    last: np.ndarray,  # [n]
+    window: int,
+    block_size: int,
+    null_tails: np.ndarray | None,  # [R] last null entry per row, or None
+) -> bool:
+    """No committed entry read this step is null (appended ids are >= 1): check 12 for a windowed group."""
+    lo = np.maximum(0, num_computed - window + 1) // block_size  # [n] first entry read
+    if null_tails is not None:
+        suspects = np.flatnonzero(null_tails[rows] >= lo)  # the others hold no null from lo on
+        if not suspects.size:
+            return True
+        rows, counts, lo, last = rows[suspects], counts[suspects], lo[suspects], last[suspects]
+    hi = np.minimum(last // block_size, counts - 1)  # inclusive
+    which, within = ranges(np.maximum(hi - lo + 1, 0))
+    return not (table[rows[which], lo[which] + within] == NULL_BLOCK_ID).any()
 
 
 def _has_repeats(values: np.ndarray) -> bool:
     """Sorting beats np.unique's hashing by ~10x at these sizes (thousands of int64)."""
-    ordered = np.sort(values)
+    ordered = values.copy()
+    ordered.sort()
     return bool((ordered[1:] == ordered[:-1]).any())

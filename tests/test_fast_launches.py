@@ -103,3 +103,29 @@ def test_prepare_never_waits_for_the_device() -> None:
         finally:
             torch.cuda.set_sync_debug_mode("default")
         pool.record_sampled(batch, torch.ones(batch.num_reqs, dtype=torch.int64, device="cuda"))
+
+
+@pytest.mark.interpret
+def test_pool_keeps_the_kernel_mode_it_was_built_in(launches: Counter[str]) -> None:
+    """The mode is fixed at construction: a later `interpret(...)` block neither adds nor removes kernels."""
+    kernels = fast.RequestStatePool(CONFIG)  # built inside the fixture's interpret(True)
+    with interpret(False):
+        host = fast.RequestStatePool(CONFIG)
+        sched = _steps()[0]
+        kernels.apply(sched)
+        kernels.prepare(sched)
+    assert launches == Counter({"_apply_writes_kernel": 1, "_prepare_kernel": 1})
+    launches.clear()
+    host.apply(sched)  # back inside interpret(True)
+    host.prepare(sched)
+    assert sum(launches.values()) == 0, launches
+    assert not kernels.dev.shared and host.dev.shared
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_backend_handle_builds_pools_in_its_mode(enabled: bool) -> None:
+    """fast-interpret's pools run the kernels (separate state), fast's share the host mirror, in any caller's mode."""
+    with interpret(not enabled):
+        pool = fast.backend_handle(enabled).make_pool(CONFIG)
+    shared = not enabled and not torch.cuda.is_available()
+    assert pool._pool.dev.shared is shared  # type: ignore[attr-defined]

@@ -14,7 +14,7 @@ import torch
 import fast
 import spec.flatten
 import spec.slots
-from fast.flatten import flatten
+from fast.flatten import flatten, gather_input_ids
 from fast.kernels.prepare import prepare_triton
 from fast.runtime import HAVE_TRITON, interpret
 from fast.slots import gather_block_tables, slot_mapping
@@ -94,15 +94,20 @@ def test_cpu_path_matches_spec(seed: int) -> None:
     dev, arrays, padded = _random_case(seed)
     index_mapping, num_scheduled = arrays["index_mapping"], arrays["num_scheduled"]
     want = _expected(dev, index_mapping, num_scheduled, padded)
-    query_start_loc = np.concatenate([[0], np.cumsum(num_scheduled)])
-    computed = dev.num_computed.numpy().copy()  # what the host mirror holds
-    flat = flatten(index_mapping, num_scheduled, query_start_loc, computed, dev.token_ids, padded)
-    for name in ("positions", "input_ids", "seq_lens", "logits_indices"):
-        _assert_same(name, getattr(flat, name), want[name])
+    rows, counts = index_mapping.astype(np.int64), num_scheduled.astype(np.int64)
+    token_rows, flat_positions = flatten(rows, counts, dev.num_computed.numpy())
+    num_tokens = int(counts.sum())
+    positions = np.zeros(padded, np.int64)
+    positions[:num_tokens] = flat_positions
+    input_ids = np.full(padded, -7, np.int64)  # stale contents: the padding must be overwritten with 0
+    gather_input_ids(dev.token_ids.numpy(), token_rows, flat_positions, input_ids)
+    _assert_same("positions", torch.from_numpy(positions), want["positions"])
+    _assert_same("input_ids", torch.from_numpy(input_ids), want["input_ids"])
     for g, group in enumerate(dev.config.kv_groups):
-        _assert_same(f"block_tables[{g}]", gather_block_tables(dev.table(g), index_mapping), want["block_tables"][g])
-        slots = slot_mapping(dev.table(g), flat.token_rows_np, flat.positions_np, group.block_size)
-        _assert_same(f"slot_mappings[{g}]", slots, want["slot_mappings"][g])
+        table = dev.table(g).numpy()
+        _assert_same(f"block_tables[{g}]", torch.from_numpy(gather_block_tables(table, rows)), want["block_tables"][g])
+        slots = slot_mapping(table, token_rows, positions, group.block_size)
+        _assert_same(f"slot_mappings[{g}]", torch.from_numpy(slots), want["slot_mappings"][g])
 
 
 HUGE_BLOCKS = 2**26 + 5  # with block_size 64: 2**32 + 320 slots
@@ -117,8 +122,8 @@ def test_slots_past_int32_are_exact(mode: bool) -> None:
         new_requests=(NewRequest("x", prompt, (top, tuple(range(1, 68)))),),
         num_scheduled_tokens={"x": 200},
     )
-    pool = fast.RequestStatePool(config)
     with interpret(mode):
+        pool = fast.RequestStatePool(config)
         pool.apply(sched)
         batch = pool.prepare(sched, pad_to=203)
     want = [top[p // 64] * 64 + p % 64 for p in range(200)] + [-1, -1, -1]  # Python ints: no overflow

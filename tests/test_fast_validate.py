@@ -14,6 +14,7 @@ import pytest
 
 import fast
 import spec
+from conformance.backends import BATCH_ARRAY_FIELDS
 from conformance.differential import one_torch_thread
 from conformance.mutations import break_output
 from conformance.scenario import random_scenario
@@ -88,6 +89,33 @@ def _assert_mirror_equal(fast_pool: fast.RequestStatePool, spec_pool: spec.Reque
         np.testing.assert_array_equal(got.block_tables[g], table)
 
 
+_BATCH_ARRAYS = (*BATCH_ARRAY_FIELDS, "block_tables", "slot_mappings")
+
+
+def to_numpy(x: object) -> np.ndarray:
+    if isinstance(x, tuple):
+        return np.concatenate([t.numpy().reshape(-1) for t in x]) if x else np.zeros(0)
+    return x.numpy()  # type: ignore[attr-defined]
+
+
+def _assert_batch_equal(batch: spec.BatchInputs, arrays: dict[str, np.ndarray]) -> None:
+    for name in _BATCH_ARRAYS:
+        np.testing.assert_array_equal(to_numpy(getattr(batch, name)), arrays[name], err_msg=name)
+
+
+def _assert_null_tails(fast_pool: fast.RequestStatePool, state: PoolState) -> None:
+    """The pool's per-row last null entry (sliding-window groups) equals a plain scan of spec's tables."""
+    for g, group in enumerate(state.config.kv_groups):
+        tails = fast_pool._null_tails[g]
+        if group.sliding_window is None:
+            assert tails is None
+            continue
+        assert tails is not None
+        for row in range(state.config.max_num_reqs):
+            nulls = [i for i, block in enumerate(state.blocks(row, g).tolist()) if block == 0]
+            assert tails[row] == (nulls[-1] if nulls else -1), (g, row)
+
+
 @pytest.mark.parametrize("seed", SEEDS)
 def test_bulk_path_agrees_with_plan_step(seed: int) -> None:
     with interpret(False), one_torch_thread():  # validation is under test here, not the kernels
@@ -101,6 +129,7 @@ def _agree(seed: int) -> None:
     spec_pool, fast_pool = spec.RequestStatePool(config), fast.RequestStatePool(config)
     rng = random.Random(seed)
     steps = 0
+    previous: tuple[spec.BatchInputs, dict[str, np.ndarray]] | None = None
     while not scheduler.done() and steps < MAX_STEPS:
         out = scheduler.schedule()
         state = spec_pool.state
@@ -113,7 +142,11 @@ def _agree(seed: int) -> None:
         spec_pool.apply(out)
         fast_pool.apply(out)
         _assert_mirror_equal(fast_pool, spec_pool)
+        _assert_null_tails(fast_pool, spec_pool.state)
+        if previous is not None:  # a later step must not change an earlier batch's arrays
+            _assert_batch_equal(previous[0], previous[1])
         batch_spec, batch_fast = spec_pool.prepare(out), fast_pool.prepare(out)
+        previous = (batch_fast, {name: to_numpy(getattr(batch_fast, name)).copy() for name in _BATCH_ARRAYS})
         takes = scheduler.sampling_req_ids(out)
         sampled = np.array([rng.randrange(config.vocab_size) for _ in batch_spec.req_ids], np.int64)
         spec_pool.record_sampled(batch_spec, sampled)
@@ -182,8 +215,8 @@ def test_decode_step_errors_match_spec(case: str) -> None:
     error, changes = DECODE_CASES[case]
     config, first, ok = _two_decoding_requests()
     bad = replace(ok, cached_requests=tuple(changes.get(c.req_id, c) for c in ok.cached_requests))
-    spec_pool, fast_pool = spec.RequestStatePool(config), fast.RequestStatePool(config)
     with interpret(False):
+        spec_pool, fast_pool = spec.RequestStatePool(config), fast.RequestStatePool(config)
         for pool in (spec_pool, fast_pool):
             pool.apply(first)
             pool.record_sampled(pool.prepare(first), np.array([9, 9]))
