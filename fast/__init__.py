@@ -11,6 +11,11 @@ Kernel modes (fast/runtime.py):
   through Triton's interpreter on CPU, so machines without a GPU still execute the kernel code.
   `fast.runtime.interpret(True/False)` overrides the variable for a block of code, and
   `backend_handle(interpret)` pins the mode for everything a conformance backend runs.
+A pool fixes its mode when it is built. On plain CPU (no interpreter) the device is the host: the
+pool's tensors share memory with its host mirror, so apply's commit is the device write and prepare is
+NumPy index arithmetic wrapped as tensors. Under Triton (CUDA, or the interpreter) the pool keeps
+separate device tensors and writes them with one apply kernel and one prepare kernel per step.
+The kernels write_kv and paged_attention choose their mode per call, from their tensors' device.
 """
 
 from fast.attention import paged_attention

@@ -13,13 +13,13 @@ later call runs in it whatever `fast.runtime.interpret` says then:
 - CPU without Triton: the "device" is host memory, so the tensors share memory with the host mirror
   (DeviceState's shared mode): apply's commit to the mirror is the device write, and prepare is NumPy
   over the shared arrays (fast/flatten.py, fast/slots.py) writing into two fresh buffers that the
-  batch's tensors view. A decode step validated in bulk (fast/validate.py) also hands prepare the
-  rows, positions and slots it already computed.
+  batch's tensors view. A step of continuing requests validated in bulk (fast/validate.py) also hands
+  prepare the rows, positions and slots it already computed.
 prepare never waits for the device: everything it needs on the host (rows, batch order, token counts)
 is in the host mirror. Every prepare returns tensors in fresh memory: a later step never changes them.
 
-apply validates the common decode step (continuing requests only) in bulk (fast/validate.py) and
-everything else with spec's plan_step, so both raise spec's errors in spec's order.
+apply validates the usual step (continuing requests, none resumed, plus new and finished ones) in bulk
+(fast/validate.py) and everything else with spec's plan_step, so both raise spec's errors in spec's order.
 """
 
 from __future__ import annotations
@@ -33,10 +33,10 @@ from fast.kernels.prepare import prepare_triton
 from fast.runtime import interpret, interpret_enabled, use_triton
 from fast.slots import gather_block_tables, slot_mapping
 from fast.state import DeviceState
-from fast.validate import CachedStepPlan, last_null_entries, plan_cached_step
+from fast.validate import BulkStepPlan, last_null_entries, plan_bulk_step
 from fast.writes import StepWrites, apply_writes, ranges, table_diff_ops, upload, writes_from_ops
 from spec.errors import InconsistentSchedulerOutputError, ModelLengthError, TokenIdError, UnknownRequestError
-from spec.state import PoolState
+from spec.state import PoolState, StepPlan, TableUpdate
 from spec.types import INDEX_DTYPE, PAD_SLOT_ID, BatchInputs, PoolSnapshot, RowSnapshot, SchedulerOutput, WorkerConfig
 from spec.validate import plan_step
 
@@ -58,21 +58,34 @@ class RequestStatePool:
         ]
         self._table_layout = list(zip(self.dev.offsets_np.tolist(), self.dev.widths_np.tolist(), strict=True))
         self._applied: SchedulerOutput | None = None
-        self._plan: CachedStepPlan | None = None  # the bulk plan of the applied step, if it had one
+        self._plan: BulkStepPlan | None = None  # the bulk plan of the applied step, if it covers the whole batch
         # host copies of the last prepared batch, so record_sampled needs no device->host copy of them
         self._prepared: BatchInputs | None = None
         self._prepared_rows_np = np.zeros(0, np.int64)  # [num_reqs] batch_idx -> req_state_idx
         self._prepared_seq_lens_np = np.zeros(0, np.int64)  # [num_reqs]
 
     def apply(self, sched: SchedulerOutput) -> None:
-        plan = plan_cached_step(self.state, sched, self._null_tails)
-        writes = self._commit_cached(plan) if plan is not None else self._commit_general(sched)
+        plan = plan_bulk_step(self.state, sched, self._null_tails)
+        if plan is None:
+            writes = self._commit_general(sched)
+        elif plan.new_rows or plan.freed_rows:
+            writes = self._commit_mixed(sched, plan)
+        else:
+            writes = self._commit_cached(plan)
         if writes is not None:
             with interpret(self._interpret):
                 apply_writes(self.dev, writes)
-        self._applied, self._plan = sched, plan
+        self._applied, self._plan = sched, plan if plan is not None and plan.cached_only else None
 
-    def _commit_cached(self, plan: CachedStepPlan) -> StepWrites | None:
+    def _commit_cached(self, plan: BulkStepPlan) -> StepWrites | None:
+        self._commit_cached_mirror(plan)
+        if self.dev.shared:
+            return None  # the mirror's arrays are the device's
+        table_ops, table_data = plan.table_ops()
+        return writes_from_ops(table_ops, table_data, [], plan.rows, plan.num_computed)
+
+    def _commit_cached_mirror(self, plan: BulkStepPlan) -> None:
+        """The cached requests' appends and progress, on the host mirror."""
         state = self.state
         for g, a in enumerate(plan.appends):  # appends only, past each row's filled entries: no null among them
             if a.rows.size:
@@ -84,10 +97,48 @@ class RequestStatePool:
                     table[a.rows[op], a.counts[op] + within] = a.ids
                 state.num_blocks[g, a.rows] = a.counts + a.lengths
         state.num_computed_tokens[plan.rows] = plan.num_computed
+
+    def _commit_mixed(self, sched: SchedulerOutput, plan: BulkStepPlan) -> StepWrites | None:
+        """A bulk-validated step with finished or new rows: spec's commit for those, the bulk one for the rest."""
+        state, new = self.state, sched.new_requests
+        # plan_step's StepPlan less the cached requests' part (their rows are neither freed nor new)
+        step = StepPlan(
+            freed_rows=plan.freed_rows,
+            new_rows=plan.new_rows,
+            table_updates=[
+                TableUpdate(row, g, tuple(ids), True)
+                for r, row in zip(new, plan.new_rows, strict=True)
+                for g, ids in enumerate(r.block_ids)
+            ],
+            num_computed_tokens={row: r.num_computed_tokens for r, row in zip(new, plan.new_rows, strict=True)},
+        )
+        touched = np.array(sorted({*plan.freed_rows, *plan.new_rows}), np.int64)
+        before = [] if self.dev.shared else [table[touched] for table in state.block_tables]
+        state.commit(step, [r.req_id for r in new], [len(r.prompt_token_ids) for r in new])
+        self._commit_cached_mirror(plan)
+        self._update_null_tails(touched)
         if self.dev.shared:
-            return None  # the mirror's arrays are the device's
-        table_ops, table_data = plan.table_ops()
-        return writes_from_ops(table_ops, table_data, [], plan.rows, plan.num_computed)
+            token_ids = self.dev.token_ids_np
+            assert token_ids is not None
+            which, within = ranges(plan.prompt_lens)  # the prompts, already converted by the bulk checks
+            token_ids[np.array(plan.new_rows, np.int64)[which], within] = plan.prompt_tokens
+            return None
+        table_ops, table_data = table_diff_ops(touched, before, state.block_tables, state.num_blocks)
+        append_ops, append_data = plan.table_ops()
+        append_ops[:, -1] += table_data.size  # data index: the appends' ids follow the touched rows'
+        computed_rows = np.concatenate([touched, plan.rows])
+        return writes_from_ops(
+            np.concatenate([table_ops, append_ops]),
+            np.concatenate([table_data, append_data]),
+            [(row, r.prompt_token_ids) for row, r in zip(plan.new_rows, new, strict=True)],
+            computed_rows,
+            state.num_computed_tokens[computed_rows],
+        )
+
+    def _update_null_tails(self, rows: np.ndarray) -> None:  # [k] req_state_idx whose tables were replaced
+        for g, tails in enumerate(self._null_tails):
+            if tails is not None and rows.size:
+                tails[rows] = last_null_entries(self.state, g, rows)
 
     def _commit_general(self, sched: SchedulerOutput) -> StepWrites | None:
         state = self.state
@@ -97,9 +148,7 @@ class RequestStatePool:
         before = [] if self.dev.shared else [table[touched] for table in state.block_tables]
         new = sched.new_requests
         state.commit(plan, [r.req_id for r in new], [len(r.prompt_token_ids) for r in new])
-        for g, tails in enumerate(self._null_tails):
-            if tails is not None and touched.size:
-                tails[touched] = last_null_entries(state, g, touched)
+        self._update_null_tails(touched)
         if self.dev.shared:
             token_ids = self.dev.token_ids_np
             assert token_ids is not None
@@ -180,7 +229,7 @@ class RequestStatePool:
         cu_num_tokens: np.ndarray,  # [num_reqs] int64
         seq_lens: np.ndarray,  # [num_reqs] int64
         padded: int,
-        plan: CachedStepPlan | None,  # the applied step's bulk plan, when its request order is the batch order
+        plan: BulkStepPlan | None,  # the applied step's bulk plan, when its request order is the batch order
     ) -> BatchInputs:
         dev, state, groups = self.dev, self.state, self.config.kv_groups
         n, t = len(req_ids), padded

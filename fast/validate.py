@@ -1,37 +1,43 @@
-"""Stage 2, bulk validation of the common step: only continuing requests, none resumed, none new or finished.
+"""Stage 2, bulk validation of the usual step: continuing requests (none resumed), new and finished ones.
 
 spec.validate.plan_step is the definition (and names the exact error); it walks requests in Python.
-`plan_cached_step` checks the same conditions for the common decode step with NumPy over all requests
-at once. It never raises: it returns None whenever the step has another shape or any bulk check
+`plan_bulk_step` checks the same conditions with NumPy over all requests at once. It never raises: it
+returns None whenever the step has another shape (a resumed request, odd types) or any bulk check
 fails, and the pool then calls plan_step, which either raises the error spec raises or accepts a step
-this fast path did not cover. So a step accepted here is one plan_step accepts, with the same effect.
+this fast path did not cover. So a step accepted here is one plan_step accepts, with the same effect:
+finished rows freed, each new request on the lowest free row in the order given, the same tables,
+num_computed_tokens and tokens.
 
 It relies on invariants of the pool state that plan_step and record_sampled establish:
 - every committed table already passed the block-id checks (tables change only for scheduled requests,
   and those are checked whole), so only the appended ids need checking against them;
-- entries past a row's block count hold NULL_BLOCK_ID (commit clears them), and appended ids are >= 1,
-  so an appended id can be compared with the whole stored row;
+- entries past a row's block count hold NULL_BLOCK_ID (commit clears them, freed rows included), and
+  appended ids are >= 1, so an appended id can be compared with the whole stored row;
 - num_tokens[row] <= max_model_len (prompts are checked, record_sampled refuses past it), so
   seq_len <= num_tokens (check 8) already implies seq_len <= max_model_len (check 7).
+A new request's table is checked whole, as plan_step does; check 13 (unique slots) runs over every
+token of the step, new and cached.
 
-A step accepted here also yields what prepare recomputes otherwise: every scheduled token's row,
-position and slot per group, in the scheduler's order of cached requests.
+A step accepted here also yields what prepare recomputes otherwise: every cached request's tokens' row,
+position and slot per group, in the scheduler's order of cached requests (the whole batch when the
+step has no new request).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import chain
+from itertools import chain, islice
 
 import numpy as np
 
 from fast.writes import TABLE_OP_FIELDS, ranges
 from spec.state import PoolState
-from spec.types import NULL_BLOCK_ID, SchedulerOutput
+from spec.types import NULL_BLOCK_ID, NewRequest, SchedulerOutput
 
 # Above this many (appended id x table entry) comparisons, freshness of appended ids is checked by sorting.
 _DIRECT_COMPARE_LIMIT = 1 << 16
 _INT = {int}
+_SEQUENCES = {tuple, list}  # containers whose len and iteration spec's walk also sees; others: plan_step decides
 
 
 @dataclass(frozen=True)
@@ -43,7 +49,7 @@ class GroupAppends:
 
 
 @dataclass(frozen=True)
-class CachedStepPlan:
+class BulkStepPlan:
     req_ids: list[str]  # [n] cached requests, scheduler order
     rows: np.ndarray  # [n] int64, req_state_idx of each cached request
     num_computed: np.ndarray  # [n] int64, num_computed_tokens after the step
@@ -54,6 +60,15 @@ class CachedStepPlan:
     positions: np.ndarray  # [num_tokens] int64
     slots: tuple[np.ndarray, ...]  # per group [num_tokens] int64, through the tables as they stand after the step
     appends: tuple[GroupAppends, ...]  # per group
+    freed_rows: list[int]  # req_state_idx of the finished requests, ascending (spec's StepPlan.freed_rows)
+    new_rows: list[int]  # [len(sched.new_requests)] req_state_idx each new request takes, in their order
+    prompt_lens: np.ndarray  # [len(new_rows)] int64
+    prompt_tokens: np.ndarray  # [sum(prompt_lens)] int, the new requests' prompts end to end
+
+    @property
+    def cached_only(self) -> bool:
+        """The step schedules only the cached requests, so the token arrays above cover the whole batch."""
+        return not self.new_rows
 
     def table_ops(self) -> tuple[np.ndarray, np.ndarray]:
         """The appends as fast.writes table ops ([n_t, 6] int64) and their data ([D] int64)."""
@@ -71,18 +86,18 @@ class CachedStepPlan:
         return np.concatenate(ops), np.concatenate(data)
 
 
-def plan_cached_step(
+def plan_bulk_step(
     state: PoolState,
     sched: SchedulerOutput,
     null_tails: list[np.ndarray | None] | None = None,  # per group [R] from last_null_entries, or None to scan
-) -> CachedStepPlan | None:
-    if sched.new_requests or sched.finished_req_ids:
-        return None
+) -> BulkStepPlan | None:
     config = state.config
+    new = sched.new_requests
     cached = sched.cached_requests
     scheduled = sched.num_scheduled_tokens
-    n = len(cached)
-    if not n or len(scheduled) != n:
+    finished = sched.finished_req_ids
+    n, num_new = len(cached), len(new)
+    if len(scheduled) != n + num_new or not scheduled:
         return None
     # separate comprehensions: at 256+ requests the Python attribute reads are a large share of the step
     req_ids = [c.req_id for c in cached]
@@ -91,20 +106,37 @@ def plan_cached_step(
     computed = [c.num_computed_tokens for c in cached]
     new_blocks = [c.new_block_ids for c in cached]
     keys = list(scheduled)
-    in_order = keys == req_ids  # dict keys are unique, so this also rules out repeated req_ids
+    in_order = not num_new and keys == req_ids  # dict keys are unique, so this also rules out repeated req_ids
+    new_counts: list[int] = []
     if in_order:
         counts = [*scheduled.values()]
         req_ids = keys  # equal strings whose hashes the dict already computed: faster row lookups
     else:
-        if len(set(req_ids)) != n or scheduled.keys() != set(req_ids):
+        new_ids = [r.req_id for r in new]
+        if set(map(type, req_ids + new_ids)) != {str}:
+            return None
+        every = {*req_ids, *new_ids}
+        if len(every) != n + num_new or scheduled.keys() != every:
             return None
         counts = [scheduled[r] for r in req_ids]
-    if set(map(type, counts)) != _INT or set(map(type, computed)) != _INT:  # numpy ints, bools, floats: spec's
+        new_counts = [scheduled[r] for r in new_ids]
+    new_computed = [r.num_computed_tokens for r in new]
+    types = {*map(type, counts), *map(type, computed), *map(type, new_counts), *map(type, new_computed)}
+    if not types <= _INT:  # numpy ints, bools, floats: spec's walk decides
         return None
-    num_tokens = sum(counts)
-    low = min(counts)
-    if num_tokens > config.max_num_batched_tokens or low < 1 or min(computed) < 0:
+    low = min(counts) if n else 1
+    if low < 1 or (n and min(computed) < 0) or (num_new and (min(new_counts) < 1 or min(new_computed) < 0)):
         return None
+    cached_tokens = sum(counts)
+    if cached_tokens + sum(new_counts) > config.max_num_batched_tokens:
+        return None
+    freed_rows: list[int] = []
+    new_rows: list[int] = []
+    if finished or num_new:
+        rows_of = _rows_of_new(state, sched, keys)
+        if rows_of is None:
+            return None
+        freed_rows, new_rows = rows_of
     try:
         rows = np.fromiter(map(state.row_of.__getitem__, req_ids), np.int64, n)
         num_scheduled = np.fromiter(counts, np.int64, n)
@@ -117,9 +149,16 @@ def plan_cached_step(
     appends = _appended_ids(new_blocks, len(config.kv_groups))
     if appends is None:
         return None
+    new_slots: list[np.ndarray] | None = None
+    prompt_lens = prompt_tokens = np.zeros(0, np.int64)
+    if num_new:
+        checked_new = _check_new_requests(state, new, new_counts, new_computed)
+        if checked_new is None:
+            return None
+        new_slots, prompt_lens, prompt_tokens = checked_new
 
-    uniform = low * n == num_tokens
-    if num_tokens == n:  # decode: one token per request
+    uniform = bool(n) and low * n == cached_tokens
+    if cached_tokens == n:  # decode: one token per request
         token_req = None
         token_rows, positions = rows, num_computed
     else:
@@ -133,9 +172,12 @@ def plan_cached_step(
         checked = _check_group(state, g, rows, num_computed, last, token_req, token_rows, positions, appends[g], tails)
         if checked is None:
             return None
+        written = checked[0] if new_slots is None else np.concatenate([new_slots[g], checked[0]])
+        if _has_repeats(written):  # check 13 over every token of the step, new requests' included
+            return None
         slots.append(checked[0])
         group_appends.append(checked[1])
-    return CachedStepPlan(
+    return BulkStepPlan(
         req_ids=req_ids,
         rows=rows,
         num_computed=num_computed,
@@ -146,7 +188,99 @@ def plan_cached_step(
         positions=positions,
         slots=tuple(slots),
         appends=tuple(group_appends),
+        freed_rows=freed_rows,
+        new_rows=new_rows,
+        prompt_lens=prompt_lens,
+        prompt_tokens=prompt_tokens,
     )
+
+
+def _rows_of_new(state: PoolState, sched: SchedulerOutput, scheduled: list[str]) -> tuple[list[int], list[int]] | None:
+    """Checks 1-4 for finished and new requests: (freed rows ascending, the row of each new request)."""
+    finished = sched.finished_req_ids
+    if not isinstance(finished, frozenset | set) or not finished.isdisjoint(scheduled):
+        return None  # a list could repeat an id; finished and scheduled at once is spec's error
+    row_of = state.row_of
+    if not all(isinstance(r, str) and r in row_of for r in finished):
+        return None
+    if any(r.req_id in row_of for r in sched.new_requests):
+        return None
+    freed_rows = sorted(row_of[r] for r in finished)
+    freed = set(freed_rows)
+    # the lowest rows that are free once the finished requests leave, in the order the new requests come
+    free = (row for row, req_id in enumerate(state.req_ids) if req_id is None or row in freed)
+    new_rows = list(islice(free, len(sched.new_requests)))
+    if len(new_rows) != len(sched.new_requests):
+        return None
+    return freed_rows, new_rows
+
+
+def _check_new_requests(
+    state: PoolState,
+    new: tuple[NewRequest, ...],  # [k]
+    counts: list[int],  # [k] num_scheduled_tokens, ints >= 1
+    computed: list[int],  # [k] num_computed_tokens, ints >= 0
+) -> tuple[list[np.ndarray], np.ndarray, np.ndarray] | None:
+    """Checks 6-12 for the new requests: (per group the slots [sum(counts)] their tokens write, prompt lengths
+    [k], prompt tokens [sum(prompt lengths)])."""
+    config = state.config
+    k, num_groups = len(new), len(config.kv_groups)
+    try:  # malformed prompts or tables (not sequences, huge, nested, not ints): plan_step decides
+        prompts = [r.prompt_token_ids for r in new]
+        tables = [r.block_ids for r in new]
+        if not {*map(type, prompts), *map(type, tables)} <= _SEQUENCES:
+            return None
+        prompt_lens = np.fromiter(map(len, prompts), np.int64, k)
+        tokens = np.array(list(chain.from_iterable(prompts)))
+        if list(map(len, tables)).count(num_groups) != k:
+            return None
+    except (TypeError, ValueError, OverflowError):
+        return None
+    if tokens.ndim != 1 or tokens.dtype.kind not in "iu" or tokens.size != int(prompt_lens.sum()):
+        return None  # an empty step's tokens are float: plan_step decides
+    if tokens.min() < 0 or tokens.max() >= config.vocab_size or prompt_lens.max() > config.max_model_len:
+        return None
+    num_scheduled = np.array(counts, np.int64)
+    num_computed = np.array(computed, np.int64)
+    last = num_computed + num_scheduled - 1  # [k] last position written
+    if (last >= prompt_lens).any():
+        return None
+    token_req, within = ranges(num_scheduled)
+    positions = num_computed[token_req] + within  # [num_new_tokens]
+    slots = []
+    for g, group in enumerate(config.kv_groups):
+        entries = [table[g] for table in tables]
+        if not set(map(type, entries)) <= _SEQUENCES:
+            return None
+        try:
+            lengths = np.fromiter(map(len, entries), np.int64, k)
+            ids = np.array(list(chain.from_iterable(entries)), np.int64)  # as spec's np.asarray(ids, np.int64)
+        except (TypeError, ValueError, OverflowError):
+            return None
+        if ids.ndim != 1 or ids.size != int(lengths.sum()) or not ids.size:
+            return None
+        if ids.min() < 0 or ids.max() >= group.num_blocks or lengths.max() > config.max_blocks_per_req(g):
+            return None
+        block_size = group.block_size
+        if (last // block_size >= lengths).any():
+            return None  # a missing block
+        start = lengths.cumsum() - lengths  # [k] where each request's table begins in `ids`
+        id_req = np.arange(k).repeat(lengths)  # [sum(lengths)]
+        real = ids != NULL_BLOCK_ID
+        if not real.all():
+            if group.sliding_window is None:
+                return None
+            first = np.maximum(0, num_computed - group.sliding_window + 1) // block_size  # [k] first entry read
+            which, entry = ranges(last // block_size - first + 1)
+            if (ids[start[which] + first[which] + entry] == NULL_BLOCK_ID).any():
+                return None
+        if _has_repeats((id_req * group.num_blocks + ids)[real]):
+            return None
+        logical, offset = np.divmod(positions, block_size)
+        written = ids[start[token_req] + logical] * block_size  # int64: may pass 2**31
+        written += offset
+        slots.append(written)
+    return slots, prompt_lens, tokens
 
 
 def last_null_entries(state: PoolState, g: int, rows: np.ndarray) -> np.ndarray:
@@ -200,7 +334,7 @@ def _check_group(
     appended: tuple[np.ndarray, np.ndarray, np.ndarray],  # request index [k], lengths [k], ids
     null_tails: np.ndarray | None,  # [R] last_null_entries of every row, or None
 ) -> tuple[np.ndarray, GroupAppends] | None:
-    """Checks 9-13 for group g. Returns the group's slots [num_tokens] and its appends."""
+    """Checks 9-12 for group g. Returns the group's slots [num_tokens] and its appends."""
     group = state.config.kv_groups[g]
     table = state.block_tables[g]
     block_size, width = group.block_size, table.shape[1]
@@ -248,8 +382,6 @@ def _check_group(
             physical[beyond] = ids[start_of[tok] + logical[beyond] - counts[tok]]
     slots = np.multiply(physical, block_size, dtype=np.int64)  # int64: may pass 2**31
     slots += offset
-    if _has_repeats(slots):
-        return None
     return slots, GroupAppends(app_rows, app_counts, lengths, ids)
 
 

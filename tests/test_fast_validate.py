@@ -20,15 +20,22 @@ from conformance.mutations import break_output
 from conformance.scenario import random_scenario
 from conformance.scheduler import ReferenceScheduler
 from fast.runtime import interpret
-from fast.validate import plan_cached_step
+from fast.validate import plan_bulk_step
 from spec.errors import (
     ALL_ERRORS,
     BlockIdError,
     BlockTableOverflowError,
+    DuplicateRequestError,
     DuplicateSlotError,
+    InconsistentSchedulerOutputError,
     MissingBlockError,
+    ModelLengthError,
     NullBlockError,
+    PoolFullError,
     ScheduleError,
+    TokenBudgetError,
+    TokenIdError,
+    UnknownRequestError,
     UnknownTokenError,
 )
 from spec.state import PoolState
@@ -138,7 +145,7 @@ def _agree(seed: int) -> None:
             try:
                 plan_step(state, candidate)
             except ScheduleError:
-                assert plan_cached_step(state, candidate) is None, candidate
+                assert plan_bulk_step(state, candidate) is None, candidate
         spec_pool.apply(out)
         fast_pool.apply(out)
         _assert_mirror_equal(fast_pool, spec_pool)
@@ -157,9 +164,9 @@ def _agree(seed: int) -> None:
     assert steps > 0
 
 
-def test_bulk_path_takes_the_common_decode_step() -> None:
+def test_bulk_path_takes_the_common_steps() -> None:
     """Without this, the agreement test above could pass with a bulk path that accepts nothing."""
-    accepted = 0
+    accepted = mixed = 0
     for seed in SEEDS:
         scenario = random_scenario(seed)
         scheduler = ReferenceScheduler(scenario.config, scenario.workload, scenario.knobs, scenario.seed)
@@ -169,14 +176,17 @@ def test_bulk_path_takes_the_common_decode_step() -> None:
                 break
             out = scheduler.schedule()
             cached_only = not out.new_requests and not out.finished_req_ids and out.cached_requests
-            if cached_only and not any(c.resumed for c in out.cached_requests):
-                accepted += plan_cached_step(pool.state, out) is not None
+            if not any(c.resumed for c in out.cached_requests):
+                taken = plan_bulk_step(pool.state, out) is not None
+                accepted += taken and bool(cached_only)
+                mixed += taken and bool(out.new_requests) and bool(out.finished_req_ids or out.cached_requests)
             pool.apply(out)
             batch = pool.prepare(out)
             takes = scheduler.sampling_req_ids(out)
             pool.record_sampled(batch, np.ones(batch.num_reqs, np.int64))
             scheduler.update(out, {r: 1 for r in batch.req_ids if r in takes})
     assert accepted >= 20
+    assert mixed >= 20  # steps with new requests beside finished or continuing ones
 
 
 def _two_decoding_requests() -> tuple[WorkerConfig, SchedulerOutput, SchedulerOutput]:
@@ -221,14 +231,149 @@ def test_decode_step_errors_match_spec(case: str) -> None:
             pool.apply(first)
             pool.record_sampled(pool.prepare(first), np.array([9, 9]))
         if error is None:
-            assert plan_cached_step(fast_pool.state, bad) is not None  # the bulk path, not the fallback
+            assert plan_bulk_step(fast_pool.state, bad) is not None  # the bulk path, not the fallback
             fast_pool.apply(bad)
             spec_pool.apply(bad)
         else:
-            assert plan_cached_step(fast_pool.state, bad) is None
+            assert plan_bulk_step(fast_pool.state, bad) is None
             with pytest.raises(error) as want:
                 spec_pool.apply(bad)
             with pytest.raises(error) as got:
                 fast_pool.apply(bad)
             assert type(got.value) is type(want.value) and str(got.value) == str(want.value)
     assert fast_pool.snapshot() == spec_pool.snapshot()
+
+
+def _mixed_step() -> SchedulerOutput:
+    """After _two_decoding_requests' first step: A finishes, B decodes, and C, D, E arrive.
+
+    C takes A's freed row 0 (the lowest free row), D and E rows 2 and 3. D and E enter with a prefix hit;
+    E's windowed table starts with the null block, which its window no longer reads.
+    """
+    return SchedulerOutput(
+        new_requests=(
+            NewRequest("C", (7, 8, 9, 10, 11, 12), ((5, 6), (7, 8, 9))),
+            NewRequest("D", (1, 2, 3), ((9,), (10, 11)), num_computed_tokens=1),
+            NewRequest("E", (4, 5, 6, 7, 8, 9), ((7, 8), (0, 12, 13)), num_computed_tokens=4),
+        ),
+        cached_requests=(CachedRequest("B", 4, ((4,), (6,))),),
+        num_scheduled_tokens={"B": 1, "C": 6, "D": 2, "E": 2},
+        finished_req_ids=frozenset({"A"}),
+    )
+
+
+def _started_pools(config: WorkerConfig, first: SchedulerOutput) -> tuple[spec.RequestStatePool, fast.RequestStatePool]:
+    spec_pool, fast_pool = spec.RequestStatePool(config), fast.RequestStatePool(config)
+    for pool in (spec_pool, fast_pool):
+        pool.apply(first)
+        pool.record_sampled(pool.prepare(first), np.array([9, 9]))
+    return spec_pool, fast_pool
+
+
+@pytest.mark.parametrize("kernels", [False, True], ids=["shared", "interpreted"])
+def test_mixed_step_takes_the_bulk_path(kernels: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """New, finished and continuing requests in one step: no fallback, and spec's effect on the mirror and device."""
+    config, first, _ = _two_decoding_requests()
+    step = _mixed_step()
+    with interpret(kernels):  # interpreted: the device state is separate and written by fast.writes
+        spec_pool, fast_pool = _started_pools(config, first)
+        plan = plan_bulk_step(fast_pool.state, step)
+        assert plan is not None
+        assert (plan.freed_rows, plan.new_rows) == ([0], [0, 2, 3])
+
+        def no_fallback(*args: object) -> None:
+            raise AssertionError("the mixed step fell back to spec's plan_step")
+
+        monkeypatch.setattr(fast.pool, "plan_step", no_fallback)
+        fast_pool.apply(step)
+        spec_pool.apply(step)
+        _assert_mirror_equal(fast_pool, spec_pool)
+        _assert_null_tails(fast_pool, spec_pool.state)
+        assert fast_pool._null_tails[1] is not None and fast_pool._null_tails[1][3] == 0  # E's null entry
+        assert fast_pool.snapshot() == spec_pool.snapshot()
+        want, got = spec_pool.prepare(step), fast_pool.prepare(step)
+        assert got.req_ids == want.req_ids
+        for name in _BATCH_ARRAYS:
+            expected = getattr(want, name)  # spec's arrays are NumPy
+            expected = np.concatenate([a.reshape(-1) for a in expected]) if isinstance(expected, tuple) else expected
+            np.testing.assert_array_equal(to_numpy(getattr(got, name)), expected, err_msg=name)
+        if kernels:  # the device tensors themselves, not the mirror
+            rows = [r.row for r in spec_pool.snapshot()]
+            np.testing.assert_array_equal(fast_pool.dev.num_computed.numpy(), spec_pool.state.num_computed_tokens)
+            for g, table in enumerate(spec_pool.state.block_tables):
+                np.testing.assert_array_equal(fast_pool.dev.table(g).numpy()[rows], table[rows])
+            np.testing.assert_array_equal(fast_pool.dev.num_blocks.numpy(), spec_pool.state.num_blocks)
+
+
+def _edit_new(step: SchedulerOutput, req_id: str, **changes: object) -> SchedulerOutput:
+    return replace(
+        step, new_requests=tuple(replace(r, **changes) if r.req_id == req_id else r for r in step.new_requests)
+    )
+
+
+def _mixed_cases() -> dict[str, tuple[type[ScheduleError], SchedulerOutput]]:
+    step = _mixed_step()
+    scheduled = dict(step.num_scheduled_tokens)
+    extra = NewRequest("F", (1,), ((14,), (14,)))
+    return {
+        "finished and scheduled": (InconsistentSchedulerOutputError, replace(step, finished_req_ids=frozenset("AB"))),
+        "new listed twice": (
+            InconsistentSchedulerOutputError,
+            replace(step, new_requests=(*step.new_requests, step.new_requests[0])),
+        ),
+        "new not scheduled": (
+            InconsistentSchedulerOutputError,
+            replace(step, num_scheduled_tokens={k: v for k, v in scheduled.items() if k != "D"}),
+        ),
+        "new missing a group": (InconsistentSchedulerOutputError, _edit_new(step, "C", block_ids=((5, 6),))),
+        "new negative computed": (InconsistentSchedulerOutputError, _edit_new(step, "D", num_computed_tokens=-1)),
+        "unknown finished": (UnknownRequestError, replace(step, finished_req_ids=frozenset({"A", "Z"}))),
+        "new holds a row": (  # B continues, but is listed as new
+            DuplicateRequestError,
+            replace(step, new_requests=(*step.new_requests, NewRequest("B", (1,), ((14,), (14,)))), cached_requests=()),
+        ),
+        "pool full": (
+            PoolFullError,
+            replace(step, new_requests=(*step.new_requests, extra), num_scheduled_tokens={**scheduled, "F": 1}),
+        ),
+        "token budget": (TokenBudgetError, replace(step, num_scheduled_tokens={**scheduled, "C": 30})),
+        "prompt token past vocab": (TokenIdError, _edit_new(step, "C", prompt_token_ids=(7, 8, 9, 50, 11, 12))),
+        "float prompt token": (TokenIdError, _edit_new(step, "D", prompt_token_ids=(1, -0.5, 3))),
+        "negative prompt token": (TokenIdError, _edit_new(step, "D", prompt_token_ids=(1, -1, 3))),
+        "prompt past max_model_len": (ModelLengthError, _edit_new(step, "D", prompt_token_ids=tuple(range(17)))),
+        "more scheduled than the prompt": (
+            UnknownTokenError,
+            replace(step, num_scheduled_tokens={**scheduled, "D": 3}),
+        ),
+        "block out of range": (BlockIdError, _edit_new(step, "C", block_ids=((5, 16), (7, 8, 9)))),
+        "block twice in a table": (BlockIdError, _edit_new(step, "C", block_ids=((5, 6), (7, 8, 7)))),
+        "null without window": (BlockIdError, _edit_new(step, "C", block_ids=((5, 0), (7, 8, 9)))),
+        "overflow": (BlockTableOverflowError, _edit_new(step, "D", block_ids=((9, 10, 11, 12, 13), (10, 11)))),
+        "missing block": (MissingBlockError, _edit_new(step, "C", block_ids=((5,), (7, 8, 9)))),
+        "null read in window": (NullBlockError, _edit_new(step, "C", block_ids=((5, 6), (7, 0, 9)))),
+        "slot of a continuing request": (DuplicateSlotError, _edit_new(step, "C", block_ids=((4, 6), (7, 8, 9)))),
+        "slot of another new request": (DuplicateSlotError, _edit_new(step, "D", block_ids=((5,), (10, 11)))),
+        "valid": (type(None), step),  # type: ignore[dict-item]
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_mixed_cases()))
+def test_mixed_step_errors_match_spec(case: str) -> None:
+    """Every error class a new or finished request can raise: the bulk path declines, and fast raises spec's error."""
+    error, bad = _mixed_cases()[case]
+    config, first, _ = _two_decoding_requests()
+    with interpret(False):
+        spec_pool, fast_pool = _started_pools(config, first)
+        if error is type(None):
+            assert plan_bulk_step(fast_pool.state, bad) is not None
+            fast_pool.apply(bad)
+            spec_pool.apply(bad)
+        else:
+            assert plan_bulk_step(fast_pool.state, bad) is None
+            with pytest.raises(error) as want:
+                spec_pool.apply(bad)
+            with pytest.raises(error) as got:
+                fast_pool.apply(bad)
+            assert type(got.value) is type(want.value) and str(got.value) == str(want.value)
+    assert fast_pool.snapshot() == spec_pool.snapshot()
+    _assert_mirror_equal(fast_pool, spec_pool)
