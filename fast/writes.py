@@ -19,7 +19,6 @@ import numpy as np
 import torch
 
 from fast.kernels.apply_writes import apply_writes_triton
-from fast.runtime import use_triton
 from fast.state import DeviceState
 
 TABLE_OP_FIELDS = 6
@@ -52,12 +51,13 @@ def upload(array: np.ndarray, device: torch.device) -> torch.Tensor:
 
 
 def apply_writes(dev: DeviceState, writes: StepWrites) -> None:
+    """Kernel 1, for pools whose device state is separate from the host mirror (CUDA, or the interpreter).
+
+    A plain-CPU pool shares its tensors with the mirror, so committing the plan already wrote them.
+    """
     if writes.empty:
         return  # nothing to launch
-    if use_triton(dev.device):
-        apply_writes_triton(dev, upload(writes.packed(), dev.device), writes)
-    else:
-        _apply_writes_torch(dev, writes)
+    apply_writes_triton(dev, upload(writes.packed(), dev.device), writes)
 
 
 def ranges(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -65,26 +65,6 @@ def ranges(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     which = np.repeat(np.arange(lengths.shape[0]), lengths)
     within = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
     return which, within
-
-
-def _apply_writes_torch(dev: DeviceState, writes: StepWrites) -> None:
-    rows_total = dev.config.max_num_reqs
-    ops = writes.table_ops
-    if len(ops):
-        row, group, lo, hi, count, src = ops.T
-        op, col_in = ranges(hi - lo)
-        col = lo[op] + col_in
-        flat = rows_total * dev.offsets_np[group[op]] + row[op] * dev.widths_np[group[op]] + col
-        dev.tables[torch.from_numpy(flat)] = torch.from_numpy(writes.data[src[op] + col_in]).to(torch.int32)
-        dev.num_blocks[torch.from_numpy(group), torch.from_numpy(row)] = torch.from_numpy(count).to(torch.int32)
-    prompts = writes.prompt_ops
-    if len(prompts):
-        row, length, src = prompts.T
-        op, col = ranges(length)
-        flat = row[op] * dev.config.max_model_len + col
-        dev.token_ids.view(-1)[torch.from_numpy(flat)] = torch.from_numpy(writes.data[src[op] + col])
-    if len(writes.computed):
-        dev.num_computed[torch.from_numpy(writes.computed[:, 0])] = torch.from_numpy(writes.computed[:, 1])
 
 
 def writes_from_ops(

@@ -86,14 +86,15 @@ def _reference(dev: DeviceState, writes: StepWrites) -> dict[str, np.ndarray]:
             "token_ids": tokens, "num_computed": computed}  # fmt: skip
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.interpret
+@pytest.mark.skipif(not HAVE_TRITON, reason="Triton is not installed on this platform")
 @pytest.mark.parametrize("seed", range(12))
-def test_packed_writes_match_reference(mode: bool, seed: int) -> None:
+def test_packed_writes_match_reference(seed: int) -> None:
     rng = np.random.default_rng(seed)
     dev = _random_state(rng)
     writes = _random_writes(dev, rng)
     want = _reference(dev, writes)
-    with interpret(mode):
+    with interpret(True):  # kernel 1 runs only where device state is separate from the host mirror
         apply_writes(dev, writes)
     for name, expected in want.items():
         got = getattr(dev, name)
