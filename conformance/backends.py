@@ -10,7 +10,6 @@ object's own `asarray(np_array)` if it has one).
 from __future__ import annotations
 
 import importlib
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,9 +63,7 @@ def _spec() -> BackendHandle:
 
 
 def _fast(interpret: bool) -> BackendHandle:
-    if interpret:
-        os.environ["SLOTMAP_TRITON_INTERPRET"] = "1"
-    fast = importlib.import_module("fast")
+    fast = importlib.import_module("fast")  # the handle pins the kernel mode; no process-wide setting
     return fast.backend_handle(interpret=interpret)
 
 
