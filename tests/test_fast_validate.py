@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -230,17 +231,7 @@ def test_decode_step_errors_match_spec(case: str) -> None:
         for pool in (spec_pool, fast_pool):
             pool.apply(first)
             pool.record_sampled(pool.prepare(first), np.array([9, 9]))
-        if error is None:
-            assert plan_bulk_step(fast_pool.state, bad) is not None  # the bulk path, not the fallback
-            fast_pool.apply(bad)
-            spec_pool.apply(bad)
-        else:
-            assert plan_bulk_step(fast_pool.state, bad) is None
-            with pytest.raises(error) as want:
-                spec_pool.apply(bad)
-            with pytest.raises(error) as got:
-                fast_pool.apply(bad)
-            assert type(got.value) is type(want.value) and str(got.value) == str(want.value)
+        _apply_to_both(spec_pool, fast_pool, bad, error)
     assert fast_pool.snapshot() == spec_pool.snapshot()
 
 
@@ -364,16 +355,21 @@ def test_mixed_step_errors_match_spec(case: str) -> None:
     config, first, _ = _two_decoding_requests()
     with interpret(False):
         spec_pool, fast_pool = _started_pools(config, first)
-        if error is type(None):
-            assert plan_bulk_step(fast_pool.state, bad) is not None
-            fast_pool.apply(bad)
-            spec_pool.apply(bad)
-        else:
-            assert plan_bulk_step(fast_pool.state, bad) is None
-            with pytest.raises(error) as want:
-                spec_pool.apply(bad)
-            with pytest.raises(error) as got:
-                fast_pool.apply(bad)
-            assert type(got.value) is type(want.value) and str(got.value) == str(want.value)
+        _apply_to_both(spec_pool, fast_pool, bad, None if error is type(None) else error)
     assert fast_pool.snapshot() == spec_pool.snapshot()
     _assert_mirror_equal(fast_pool, spec_pool)
+
+
+def _apply_to_both(spec_pool: Any, fast_pool: Any, sched: Any, error: Any) -> None:
+    """Valid (error None): the bulk path takes it and both apply it. Else both raise spec's exact error."""
+    if error is None:
+        assert plan_bulk_step(fast_pool.state, sched) is not None  # the bulk path, not the fallback
+        fast_pool.apply(sched)
+        spec_pool.apply(sched)
+        return
+    assert plan_bulk_step(fast_pool.state, sched) is None
+    with pytest.raises(error) as want:
+        spec_pool.apply(sched)
+    with pytest.raises(error) as got:
+        fast_pool.apply(sched)
+    assert type(got.value) is type(want.value) and str(got.value) == str(want.value)
