@@ -163,7 +163,7 @@ def _fake_results(path: Path) -> None:
 
 
 def test_results_page_renders_medians_and_ratios(tmp_path: Path) -> None:
-    from slotmap.bench import render
+    from slotmap.bench.run import render
 
     results = tmp_path / "testbox.json"
     _fake_results(results)

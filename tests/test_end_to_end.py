@@ -2,7 +2,7 @@
 
 Every logits row the paged run produces, and every greedy token, is checked against the same model run
 densely in float64 over the request's whole sequence (prompt + generated), with the tolerance of
-`slotmap.model.dense_logit_tolerance`.
+`slotmap.tiny.model.dense_logit_tolerance`.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ import spec
 from conformance.backends import BackendHandle, load_backend
 from conformance.scheduler import ReferenceScheduler, SchedulerKnobs, make_workload
 from slotmap.cli import app
-from slotmap.dense_check import check_request
-from slotmap.engine import Engine, RequestRecord, drive
-from slotmap.model import ModelConfig
-from slotmap.verify import SpecVerifier
+from slotmap.simulate.dense_check import check_request
+from slotmap.simulate.verify import SpecVerifier
+from slotmap.tiny.engine import Engine, RequestRecord, drive
+from slotmap.tiny.model import ModelConfig
 from spec.types import BatchInputs, CachedRequest, KVCacheGroup, NewRequest, SchedulerOutput, WorkerConfig
 
 

@@ -20,9 +20,9 @@ from typer.testing import CliRunner
 from conformance.backends import BackendHandle, load_backend
 from conformance.examples import A_PROMPT, B_SAMPLED
 from slotmap.cli import app
-from slotmap.demo import render_step
-from slotmap.explain import Explanation, explain_step, render
-from slotmap.steps import StepView, seeded_step, worked_example_step
+from slotmap.pictures.demo import render_step
+from slotmap.pictures.explanation import Explanation, explain_step, render
+from slotmap.pictures.steps import StepView, seeded_step, worked_example_step
 from spec import PAD_SLOT_ID
 
 WIDE = {"COLUMNS": "200"}  # rich wraps table cells at the default 80 columns

@@ -24,11 +24,11 @@ def main() -> None:
 def demo(backend: str = typer.Option("spec", help=BACKEND_HELP)) -> None:
     """Print the articles' worked example: state rows, batch, flat tokens, slots."""
     from conformance.backends import load_backend
-    from slotmap.demo import render_step
-    from slotmap.steps import worked_example_step
+    from slotmap.pictures.demo import render_step
+    from slotmap.pictures.steps import worked_example_step
 
     render_step(worked_example_step(load_backend(backend)), Console())
-    from slotmap.simulate import SimulateOptions, simulate_command
+    from slotmap.simulate.run import SimulateOptions, simulate_command
 
     console = Console()
     console.rule("the same pipeline under a scheduler: a short `slotmap simulate`")
@@ -46,7 +46,7 @@ def explain(
     png: Annotated[Path | None, typer.Option(help="also draw the step as a PNG picture here")] = None,
 ) -> None:
     """Show one step in the four index spaces: state rows, batch, flat tokens, each token's path to its slot."""
-    from slotmap.explain import explain_command
+    from slotmap.pictures.explanation import explain_command
 
     explain_command(backend, seed, step, pad_to, svg, png, Console())
 
@@ -61,7 +61,7 @@ def simulate(
     plot: Annotated[Path | None, typer.Option(help="save batch composition and KV block usage here")] = None,
 ) -> None:
     """Run a synthetic workload through scheduler -> pool -> a tiny decoder, verifying against spec as it goes."""
-    from slotmap.simulate import SimulateOptions, simulate_command
+    from slotmap.simulate.run import SimulateOptions, simulate_command
 
     options = SimulateOptions(backend, requests, seed, verify_every, dense_check, plot)
     if not simulate_command(options, Console()):
@@ -77,7 +77,7 @@ def check(
     repro: Annotated[Path | None, typer.Option(help="on a mismatch, also write the reproduction here")] = None,
 ) -> None:
     """Differential check of a backend against spec on seeded scheduler runs; exit status 1 on any difference."""
-    from slotmap.check import CheckOptions, check_command
+    from slotmap.cli.check import CheckOptions, check_command
 
     options = CheckOptions(backend=backend, steps=steps, seed=seed, invalid_share=invalid_share, repro=repro)
     if not check_command(options, Console()):
@@ -97,7 +97,7 @@ def bench(
 
     Extra arguments go to pytest (e.g. `-k host_step`).
     """
-    from slotmap.bench import main as bench_main
+    from slotmap.bench.run import main as bench_main
 
     bench_main(quick, render_only, budget, machine, threads, list(ctx.args))
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from slotmap.engine import RequestRecord
-from slotmap.model import TinyDecoder, dense_logit_tolerance
+from slotmap.tiny.engine import RequestRecord
+from slotmap.tiny.model import TinyDecoder, dense_logit_tolerance
 
 
 @dataclass

@@ -3,7 +3,7 @@
 Requests arrive over time with shared prompt prefixes; the reference scheduler batches them (chunked
 prefill, prefix caching, preemption, padding) over two KV groups, one with a sliding window. Every K-th
 step is replayed through spec (BatchInputs exact, logits within tolerance), and every finished request
-is recomputed densely (slotmap.dense_check).
+is recomputed densely (slotmap.simulate.dense_check).
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from rich.table import Table
 
 from conformance.backends import load_backend
 from conformance.scheduler import ReferenceScheduler, SchedulerKnobs, make_workload
-from slotmap.dense_check import DenseCheck, check_request
-from slotmap.engine import STAGES, Engine, RequestRecord, StepResult, StepStats, drive
-from slotmap.model import ModelConfig
-from slotmap.verify import SpecVerifier
+from slotmap.simulate.dense_check import DenseCheck, check_request
+from slotmap.simulate.verify import SpecVerifier
+from slotmap.tiny.engine import STAGES, Engine, RequestRecord, StepResult, StepStats, drive
+from slotmap.tiny.model import ModelConfig
 from spec.types import KVCacheGroup, SchedulerOutput, WorkerConfig
 
 
@@ -211,7 +211,7 @@ def simulate_command(options: SimulateOptions, console: Console) -> bool:
     report = run_simulation(options, console)
     render_report(report, console)
     if options.plot is not None:
-        from slotmap.simulate_plot import save_plot
+        from slotmap.simulate.plot import save_plot
 
         save_plot(report, options.plot)
         console.print(f"plot saved to {options.plot}")

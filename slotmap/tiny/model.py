@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from slotmap.kv_caches import PagedKV
+from slotmap.tiny.kv_caches import PagedKV
 from spec.types import BatchInputs, KVCacheGroup
 
 FLOAT32_EPS = float(np.finfo(np.float32).eps)

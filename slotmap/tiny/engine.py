@@ -3,7 +3,7 @@
 One `Engine.step` is one scheduler output through a backend's pool and the tiny decoder, timed per
 stage. The engine keeps its own account of every request's tokens (prompt, then what it sampled) and,
 if asked, of every logits row the model produced with the position it predicts from, so that a dense
-recompute can check it afterwards (slotmap.dense_check).
+recompute can check it afterwards (slotmap.simulate.dense_check).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from conformance.backends import BackendHandle
-from slotmap.kv_caches import PagedKV
-from slotmap.model import ModelConfig, TinyDecoder
+from slotmap.tiny.kv_caches import PagedKV
+from slotmap.tiny.model import ModelConfig, TinyDecoder
 from spec.types import BatchInputs, SchedulerOutput, WorkerConfig
 
 STAGES = ("schedule", "apply", "prepare", "model", "sample", "record_sampled", "update", "verify")
@@ -173,7 +173,7 @@ class Scheduler(Protocol):
 
 
 class StepObserver(Protocol):
-    """Sees every step around the model (slotmap.verify.SpecVerifier is one)."""
+    """Sees every step around the model (slotmap.simulate.verify.SpecVerifier is one)."""
 
     def before_model(self, out: SchedulerOutput, pad_to: int | None) -> Callable[[BatchInputs], None]: ...
 

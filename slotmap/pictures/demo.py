@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from rich.console import Console
 
-from slotmap.explain import address_path, explain_step, render
-from slotmap.steps import StepView
+from slotmap.pictures.explanation import address_path, explain_step, render
+from slotmap.pictures.steps import StepView
 
 INTRO = (
     "The articles' example: request A holds state row 6 with blocks [81, 44] and 16 tokens computed; "

@@ -17,8 +17,8 @@ import torch
 
 from conformance.backends import BackendHandle, load_backend
 from conformance.tolerance import as_float64, tolerance
-from slotmap.engine import Engine, StepResult
-from slotmap.kv_caches import PagedKV
+from slotmap.tiny.engine import Engine, StepResult
+from slotmap.tiny.kv_caches import PagedKV
 from spec.types import BatchInputs, SchedulerOutput
 
 

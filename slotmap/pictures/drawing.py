@@ -17,7 +17,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
-from slotmap.explain import Explanation, TokenRow, group_label
+from slotmap.pictures.explanation import Explanation, TokenRow, group_label
 
 INCH_PER_CELL = 0.42
 CHAR = 0.17  # width of one 8pt monospace character, in cells

@@ -4,7 +4,7 @@
     flat token index -> position -> (logical block, offset) -> physical block -> slot, per KV group
 
 `explain_step` turns a `StepView` into an `Explanation` (plain rows of numbers); `render` prints it as
-rich tables and `slotmap.picture` draws the same rows. Every number shown is the backend's output
+rich tables and `slotmap.pictures.drawing` draws the same rows. Every number shown is the backend's output
 except the two the chain defines by arithmetic, divmod(position, block_size), and the check
 physical block * block_size + offset, shown in red wherever it disagrees with the backend's slot.
 """
@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from slotmap.steps import StepView
+from slotmap.pictures.steps import StepView
 from spec.types import PAD_SLOT_ID
 
 # One colour per request (matplotlib's tab10), shared by the terminal and the pictures.
@@ -232,7 +232,7 @@ def explain_command(
 ) -> None:
     """What `slotmap explain` does: pick the step, print it, and draw it if asked."""
     from conformance.backends import load_backend
-    from slotmap import steps
+    from slotmap.pictures import steps
 
     backend = load_backend(backend_name)
     try:
@@ -246,7 +246,7 @@ def explain_command(
     render(ex, console)
     for path, fmt in ((svg, "svg"), (png, "png")):
         if path is not None:
-            from slotmap.picture import save_picture
+            from slotmap.pictures.drawing import save_picture
 
             save_picture(ex, path, fmt)
             console.print(f"wrote {path}")

@@ -1,0 +1,1 @@
+"""`slotmap bench`: run the benchmark suites, keep their JSON, render docs/performance.md and the targets table."""
