@@ -1,0 +1,57 @@
+"""SGLang's layout: a token-level map per pool row instead of block tables, and extend lengths.
+
+SGLang's `req_to_token_pool.req_to_token[req_pool_idx, position]` is the KV cache index of that
+token; slotmap's equivalent is the slot (block * block_size + offset), so `req_pool_indices` are
+slotmap's rows (req_state_idx) and `out_cache_loc` the slots the step writes. The ForwardBatch fields:
+`seq_lens`, `extend_prefix_lens` (tokens already cached: num_computed_tokens) and `extend_seq_lens`
+(tokens this step: num_scheduled_tokens).
+
+Differences from SGLang, by decision: slots are int64 (SGLang's req_to_token is int32; slots may pass
+2**31 here), and `req_to_token` is defined only on the positions the step's requests hold (< seq_len)
+and not under a null block (a window-released placeholder holds no KV); every other entry is
+PAD_SLOT_ID. Rows of requests not in the batch are PAD_SLOT_ID too: a BatchInputs says nothing of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from spec.types import NULL_BLOCK_ID, PAD_SLOT_ID, SLOT_DTYPE, BatchInputs, WorkerConfig
+
+INDEX_DTYPE = "int64"  # SGLang's req_pool_indices and seq_lens are int64
+EXTEND_DTYPE = "int32"  # extend_prefix_lens, extend_seq_lens
+
+
+@dataclass(frozen=True)
+class SGLangLayout:
+    req_to_token: Any  # [max_num_reqs, max_model_len] int64, (req_state_idx, position) -> slot
+    req_pool_indices: Any  # [num_reqs] int64, batch_idx -> req_state_idx
+    out_cache_loc: Any  # [num_tokens] int64, flat token index -> slot written (no padding)
+    seq_lens: Any  # [num_reqs] int64
+    extend_prefix_lens: Any  # [num_reqs] int32, num_computed_tokens
+    extend_seq_lens: Any  # [num_reqs] int32, num_scheduled_tokens
+
+
+def sglang_layout(batch: BatchInputs, config: WorkerConfig, group: int = 0) -> SGLangLayout:
+    block_size = config.kv_groups[group].block_size
+    rows = np.asarray(batch.index_mapping, np.int64)  # [num_reqs]
+    seq_lens = np.asarray(batch.seq_lens, np.int64)  # [num_reqs]
+    num_scheduled = np.asarray(batch.num_scheduled_tokens, np.int64)  # [num_reqs]
+    table = np.asarray(batch.block_tables[group], np.int64)  # [num_reqs, max_blocks]
+    req_to_token = np.full((config.max_num_reqs, config.max_model_len), PAD_SLOT_ID, SLOT_DTYPE)
+    for b, row in enumerate(rows):
+        positions = np.arange(seq_lens[b])  # [seq_len]
+        blocks = table[b, positions // block_size]
+        slots = blocks * block_size + positions % block_size
+        req_to_token[row, : seq_lens[b]] = np.where(blocks == NULL_BLOCK_ID, PAD_SLOT_ID, slots)
+    return SGLangLayout(
+        req_to_token=req_to_token,
+        req_pool_indices=rows.astype(INDEX_DTYPE),
+        out_cache_loc=np.asarray(batch.slot_mappings[group])[: batch.num_tokens].astype(SLOT_DTYPE),
+        seq_lens=seq_lens.astype(INDEX_DTYPE),
+        extend_prefix_lens=(seq_lens - num_scheduled).astype(EXTEND_DTYPE),
+        extend_seq_lens=num_scheduled.astype(EXTEND_DTYPE),
+    )
