@@ -180,10 +180,11 @@ def test_flashinfer_attention_equals_block_table_attention(backend: BackendHandl
             key = rng.standard_normal((t, att.num_kv_heads, att.head_dim)).astype(att.dtype)
             value = rng.standard_normal((t, att.num_kv_heads, att.head_dim)).astype(att.dtype)
             spec.write_kv(caches[g], value_caches[g], key, value, ref_batch.slot_mappings[g])
-            kwargs = {"scale": att.scale, "sliding_window": group.sliding_window, "softcap": att.softcap}
+            kwargs: dict[str, Any] = {"scale": att.scale, "sliding_window": group.sliding_window}
+            kwargs["softcap"] = att.softcap
             table_args = (ref_batch.block_tables[g], ref_batch.seq_lens, ref_batch.query_start_loc)
-            f64 = [np.asarray(a, np.float64) for a in (query, caches[g], value_caches[g])]
-            ref64 = spec.paged_attention(*f64, *table_args, **kwargs)
+            q64, k64, v64 = (np.asarray(a, np.float64) for a in (query, caches[g], value_caches[g]))
+            ref64 = spec.paged_attention(q64, k64, v64, *table_args, **kwargs)
             low = spec_in_dtype(spec.paged_attention, att.dtype, (query, caches[g], value_caches[g]), *table_args,
                                 **kwargs)  # fmt: skip
             layout = spec.interop.paged_kv_layout(ref_batch, g, group.block_size)
