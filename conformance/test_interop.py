@@ -227,3 +227,23 @@ def test_flashinfer_attention_reads_only_its_pages() -> None:
     assert not np.allclose(spec.interop.paged_attention(query, key, value, moved, scale=0.5), want)
     with pytest.raises(ValueError, match="max_num_pages"):
         spec.interop.paged_attention(query, key, value, layout, scale=0.5, max_num_pages=1)
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 16, 17, 48, 128, 200, 256])
+def test_vllm_table_width_is_the_least_multiple_of_128_tokens(block_size: int) -> None:
+    config = WorkerConfig(2, 1000, 64, 50, (KVCacheGroup(block_size, 8),))
+    width, least = spec.interop.vllm_table_width(config, 0), config.max_blocks_per_req(0)
+    assert width >= least and width * block_size % 128 == 0
+    assert not any(w * block_size % 128 == 0 for w in range(least, width))  # no smaller width fits the rule
+
+
+def test_v2_row_policy_hands_out_the_most_recently_freed_row() -> None:
+    policy = V2RowPolicy(4)
+    new = [spec.NewRequest(r, (1,), ((1,),)) for r in "abcd"]
+    policy.apply(SchedulerOutput(new_requests=tuple(new[:3])))
+    assert [policy.row_of[r] for r in "abc"] == [0, 1, 2]  # a fresh pool: lowest first, like slotmap
+    policy.apply(SchedulerOutput(finished_req_ids=frozenset({"a"})))
+    policy.apply(SchedulerOutput(finished_req_ids=frozenset({"c"})))
+    policy.apply(SchedulerOutput(new_requests=(new[3],)))
+    assert policy.row_of["d"] == 2  # slotmap's pool would give row 0, the lowest free one
+    assert policy.index_mapping(["b", "d"]).tolist() == [1, 2]
