@@ -92,8 +92,8 @@ class ShadowChecker:
             if name not in (*TOKEN_FIELDS, *REQUEST_FIELDS, "query_start_loc") and not _GROUPED.match(name):
                 raise ValueError(f"arrays: unknown field {name!r} (see conformance.shadow's docstring)")
         step = ShadowStep(sched, tuple(req_ids), numpy_arrays, {})
-        self.steps.append(step)
         self.pool.apply(sched)  # a ScheduleError here is the scheduler's fault, not the model runner's
+        self.steps.append(step)
         self._batch = self.pool.prepare(sched)
         problem = _first_difference(self._batch, self.pool.snapshot(), step, len(self.config.kv_groups))
         if problem is not None:

@@ -11,6 +11,7 @@ import pytest
 from conformance.scenario import Scenario, random_scenario
 from conformance.scheduler import ReferenceScheduler, SchedulerKnobs, make_workload
 from conformance.shadow import ShadowChecker, ShadowMismatchError
+from spec.errors import ScheduleError
 from spec.types import KVCacheGroup, NewRequest, SchedulerOutput, WorkerConfig
 from tests.v1_style_engine import V1StyleEngine, to_vllm
 
@@ -140,3 +141,14 @@ def test_misuse_is_refused(tmp_path: object) -> None:
     checker.check(out, arrays, ["a", "b"])
     with pytest.raises(ValueError, match="request 'b' reached its last token"):
         checker.record_sampled({"a": 1})
+
+
+def test_an_invalid_scheduler_output_is_the_schedulers_error_and_is_not_recorded(tmp_path: object) -> None:
+    out, arrays = _one_step(CONFIG)
+    checker = ShadowChecker(CONFIG, repro_dir=str(tmp_path))
+    bad = SchedulerOutput(new_requests=out.new_requests, num_scheduled_tokens={"a": 5})  # b is new but not scheduled
+    with pytest.raises(ScheduleError):
+        checker.check(bad, arrays, ["a"])
+    assert checker.step_index == 0
+    checker.check(out, arrays, ["a", "b"])  # the checker carries on from the state before the bad output
+    assert checker.step_index == 1
