@@ -25,6 +25,8 @@ INDPTR_DTYPE = "int32"  # FlashInfer's indptr, indices and last_page_len are int
 
 @dataclass(frozen=True)
 class PagedKVLayout:
+    """Arrays are NumPy from spec.interop, torch tensors on the batch's device from fast.interop."""
+
     qo_indptr: Any  # [num_reqs + 1] int32, flat query offsets (= query_start_loc)
     paged_kv_indptr: Any  # [num_reqs + 1] int32, offsets into paged_kv_indices
     paged_kv_indices: Any  # [num_pages] int32, physical block ids, request after request

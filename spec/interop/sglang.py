@@ -27,6 +27,8 @@ EXTEND_DTYPE = "int32"  # extend_prefix_lens, extend_seq_lens
 
 @dataclass(frozen=True)
 class SGLangLayout:
+    """Arrays are NumPy from spec.interop, torch tensors on the batch's device from fast.interop."""
+
     req_to_token: Any  # [max_num_reqs, max_model_len] int64, (req_state_idx, position) -> slot
     req_pool_indices: Any  # [num_reqs] int64, batch_idx -> req_state_idx
     out_cache_loc: Any  # [num_tokens] int64, flat token index -> slot written (no padding)

@@ -182,7 +182,10 @@ class V2RowPolicy:
 
 @dataclass(frozen=True)
 class FlashAttnMetadata:
-    """One KV cache group's metadata under vLLM's names (FlashAttentionMetadata / flash_attn_varlen_func)."""
+    """One KV cache group's metadata under vLLM's names (FlashAttentionMetadata / flash_attn_varlen_func).
+
+    Arrays are NumPy from spec.interop, torch tensors on the batch's device from fast.interop.
+    """
 
     num_actual_tokens: int  # real tokens; arrays below may be padded past it
     cu_seqlens_q: Any  # [num_reqs + 1] int32, query_start_loc
