@@ -5,20 +5,29 @@ NumPy and the backend's array type. Select one with `--backend` (pytest) or `slo
 `spec`, `fast`, `fast-interpret`, or `package.module:factory` for a third-party backend, where
 `factory()` returns a `BackendHandle` or a `spec.Backend` (then arrays convert through NumPy, or the
 object's own `asarray(np_array)` if it has one).
+
+fast's handles live here, not in fast: the product does not know its test suite. Each pins fast's kernel
+mode for everything it runs (`fast-interpret`: Triton's interpreter on CPU tensors; `fast`: vectorised
+torch ops), so both CPU modes can be tested in one process. `fast` honours SLOTMAP_TRITON_INTERPRET as
+fast itself does: with the variable set (and no CUDA device) it is the interpreter handle, named
+`fast-interpret` so that every report says which mode ran. On CUDA tensors the mode is irrelevant
+(compiled Triton).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 import spec
 from spec.protocol import Backend, StatePool
-from spec.types import BatchInputs, WorkerConfig
+from spec.types import BatchInputs, PoolSnapshot, SchedulerOutput, WorkerConfig
 
 BATCH_ARRAY_FIELDS = (
     "index_mapping",
@@ -29,6 +38,10 @@ BATCH_ARRAY_FIELDS = (
     "seq_lens",
     "logits_indices",
 )
+
+
+class BackendLoadError(ValueError):
+    """A backend name that names nothing loadable; the message says what to pass instead."""
 
 
 def to_numpy(x: Any) -> np.ndarray:
@@ -58,29 +71,124 @@ class BackendHandle:
         return out
 
 
-def _spec() -> BackendHandle:
-    return BackendHandle("spec", spec)
+F = TypeVar("F", bound=Callable[..., Any])
 
 
-def _fast(interpret: bool) -> BackendHandle:
-    fast = importlib.import_module("fast")  # the handle pins the kernel mode; no process-wide setting
-    return fast.backend_handle(interpret=interpret)
+@contextlib.contextmanager
+def _mode(enabled: bool) -> Iterator[None]:
+    from fast.runtime import interpret  # imported here: a spec-only install still loads this module
+
+    with interpret(enabled):
+        yield
+
+
+def _in_mode(fn: F, enabled: bool) -> F:
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with _mode(enabled):
+            return fn(*args, **kwargs)
+
+    return run  # type: ignore[return-value]
+
+
+class _ModePool:
+    """A fast.RequestStatePool whose every call runs in one kernel mode."""
+
+    def __init__(self, pool: Any, enabled: bool) -> None:
+        self._pool, self._enabled = pool, enabled
+
+    def apply(self, sched: SchedulerOutput) -> None:
+        with _mode(self._enabled):
+            self._pool.apply(sched)
+
+    def prepare(self, sched: SchedulerOutput, pad_to: int | None = None) -> BatchInputs:
+        with _mode(self._enabled):
+            return self._pool.prepare(sched, pad_to)
+
+    def record_sampled(self, batch: BatchInputs, sampled_token_ids: Any) -> None:
+        with _mode(self._enabled):
+            self._pool.record_sampled(batch, sampled_token_ids)
+
+    def row_of(self, req_id: str) -> int:
+        return int(self._pool.row_of(req_id))
+
+    def snapshot(self) -> PoolSnapshot:
+        return self._pool.snapshot()
+
+
+class _ModeBackend:
+    """fast's pool and kernels (a spec.Backend), all on one device and in one kernel mode."""
+
+    def __init__(self, device: Any, enabled: bool) -> None:
+        import fast
+
+        self.device = device
+        self.enabled = enabled
+        self.write_kv = _in_mode(fast.write_kv, enabled)
+        self.paged_attention = _in_mode(fast.paged_attention, enabled)
+
+    def RequestStatePool(self, config: WorkerConfig) -> _ModePool:  # noqa: N802 - spec.Backend's name
+        import fast
+
+        with _mode(self.enabled):  # a pool fixes its kernel mode when built (fast/pool.py)
+            pool = fast.RequestStatePool(config, device=self.device)
+        return _ModePool(pool, self.enabled)
+
+
+def fast_handle(interpret: bool) -> BackendHandle:
+    """fast on CUDA when there is a device, else on CPU tensors in the given kernel mode."""
+    import torch
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    name = "fast-interpret" if interpret else "fast"
+
+    def asarray(array: np.ndarray) -> torch.Tensor:
+        return torch.tensor(np.asarray(array), device=device)
+
+    return BackendHandle(name, _ModeBackend(device, interpret), asarray, to_numpy)
+
+
+def canonical_name(name: str) -> str:
+    """The built-in backend a name runs: `fast` is `fast-interpret` while SLOTMAP_TRITON_INTERPRET is set (CPU)."""
+    if name != "fast":
+        return name
+    import torch
+
+    from fast.runtime import interpret_enabled
+
+    return "fast-interpret" if interpret_enabled() and not torch.cuda.is_available() else "fast"
 
 
 BUILTIN: dict[str, Callable[[], BackendHandle]] = {
-    "spec": _spec,
-    "fast": lambda: _fast(interpret=False),
-    "fast-interpret": lambda: _fast(interpret=True),
+    "spec": lambda: BackendHandle("spec", spec),
+    "fast": lambda: fast_handle(interpret=False),
+    "fast-interpret": lambda: fast_handle(interpret=True),
 }
+USAGE = "use spec, fast, fast-interpret, or package.module:factory"
 
 
 def load_backend(name: str) -> BackendHandle:
+    """The handle a name selects; BackendLoadError (one line, what to pass instead) when it selects nothing."""
+    name = canonical_name(name)
     if name in BUILTIN:
         return BUILTIN[name]()
-    if ":" not in name:
-        raise ValueError(f"unknown backend {name!r}: use one of {sorted(BUILTIN)} or 'module:factory'")
-    module_name, factory_name = name.split(":", 1)
-    made = getattr(importlib.import_module(module_name), factory_name)()
+    module_name, colon, factory_name = name.partition(":")
+    if not colon or not module_name or not factory_name:
+        raise BackendLoadError(f"unknown backend {name!r}: {USAGE}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise BackendLoadError(f"backend {name!r}: cannot import {module_name!r} ({e}); is it on PYTHONPATH?") from e
+    factory = getattr(module, factory_name, None)
+    if not callable(factory):
+        found = "not callable" if factory is not None else "not defined"
+        raise BackendLoadError(f"backend {name!r}: {module_name}.{factory_name} is {found}; name a factory function")
+    try:
+        made = factory()
+    except Exception as e:  # the factory's own failure, reported as the backend's: one line, not a traceback
+        raise BackendLoadError(f"backend {name!r}: {factory_name}() raised {type(e).__name__}: {e}") from e
     if isinstance(made, BackendHandle):
         return made
+    if not callable(getattr(made, "RequestStatePool", None)):
+        raise BackendLoadError(f"backend {name!r}: {factory_name}() returned {type(made).__name__}, not a spec.Backend")
     return BackendHandle(name, made, getattr(made, "asarray", lambda a: a))

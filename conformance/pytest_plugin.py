@@ -1,4 +1,8 @@
-"""pytest plugin (registered through the `pytest11` entry point): `--backend` and Hypothesis profiles.
+"""pytest plugin of the conformance suite: `--backend`, the `backend` fixture and Hypothesis profiles.
+
+Active only where asked: this project's pyproject.toml loads it (`addopts = "-p conformance.pytest_plugin"`);
+another project that wants to run the suite against its backend passes `-p conformance.pytest_plugin`
+itself. slotmap registers no pytest entry point, so installing it adds nothing to unrelated test runs.
 
 Also `--conformance-scale` (multiplies the differential suite's per-backend example budgets) and a
 terminal summary of how many scheduler steps and requests the differential suite compared.
@@ -11,7 +15,7 @@ import sys
 import pytest
 from hypothesis import HealthCheck, settings
 
-from conformance.backends import BackendHandle, load_backend
+from conformance.backends import BackendHandle, canonical_name, load_backend
 
 settings.register_profile(
     "ci", max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
@@ -47,7 +51,9 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "backend" in metafunc.fixturenames:
-        names = metafunc.config.getoption("--backend") or _default_backends()
+        # `fast` under SLOTMAP_TRITON_INTERPRET is `fast-interpret`: run it once, and under its real name
+        asked = metafunc.config.getoption("--backend") or _default_backends()
+        names = list(dict.fromkeys(canonical_name(n) for n in asked))
         excluded = {n for mark in metafunc.definition.iter_markers("not_on_backends") for n in mark.args}
         metafunc.parametrize("backend", [n for n in names if n not in excluded], indirect=True, scope="session")
 

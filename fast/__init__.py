@@ -19,7 +19,6 @@ The kernels write_kv and paged_attention choose their mode per call, from their 
 """
 
 from fast.attention import paged_attention
-from fast.backend import backend_handle
 from fast.kv_cache import write_kv
 from fast.pool import RequestStatePool
 from spec import (
@@ -81,7 +80,6 @@ __all__ = [
     "UnknownRequestError",
     "UnknownTokenError",
     "WorkerConfig",
-    "backend_handle",
     "paged_attention",
     "write_kv",
 ]

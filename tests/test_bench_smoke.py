@@ -10,6 +10,7 @@ hand-made pytest-benchmark JSON.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -163,7 +164,7 @@ def _fake_results(path: Path) -> None:
 
 
 def test_results_page_renders_medians_and_ratios(tmp_path: Path) -> None:
-    from slotmap.bench.run import render
+    from slotmap.bench.page import render
 
     results = tmp_path / "testbox.json"
     _fake_results(results)
@@ -176,3 +177,98 @@ def test_results_page_renders_medians_and_ratios(tmp_path: Path) -> None:
     assert "8.00×" in text  # python-lists / numpy-vectorised at decode-8
     assert "3.00×" in text  # spec / numpy-vectorised at decode-64: 6e-3 / 2e-3
     assert list((tmp_path / "img").glob("*host_step.png"))
+    assert "### Targets" in text and "issue" not in text.lower()  # targets are named by what they measure
+
+
+def test_a_stage_the_renderer_does_not_know_is_rendered_as_recorded(tmp_path: Path) -> None:
+    from slotmap.bench.page import render
+
+    results = tmp_path / "testbox.json"
+    _fake_results(results)
+    data = json.loads(results.read_text())
+    for provider, median in (("spec", 9e-3), ("numpy-vectorised", 3e-3)):
+        info = {"stage": "draft_step", "workload": "decode-8", "kind": "decode", "provider": provider, "num_reqs": 8,
+                "num_tokens": 8, "num_groups": 1, "what": "a step with draft tokens", "reference": "numpy-vectorised"}
+        data["benchmarks"].append({"extra_info": info, "stats": {"median": median, "rounds": 5}})  # fmt: skip
+    results.write_text(json.dumps(data))
+    page = tmp_path / "performance.md"
+    render([results], page, tmp_path / "img")
+    section = page.read_text().split("### draft_step")[1]
+    assert "a step with draft tokens." in section and "9.00 ms" in section
+    assert "3.00×" in section  # spec / numpy-vectorised: 9e-3 / 3e-3
+
+
+def test_targets_expand_per_workload_and_compare_with_their_goal(tmp_path: Path) -> None:
+    from slotmap.bench.results import load
+    from slotmap.bench.targets import EachWorkload, Ratio, target_rows
+
+    results = tmp_path / "testbox.json"
+    _fake_results(results)
+    _, rows = load(results)
+    targets = (
+        Ratio("spec at 64 / spec at 8", "host_step", ("decode-64", "spec"), ("decode-8", "spec"), 1.4),
+        EachWorkload("{workload}: spec / numpy-vectorised", "host_step", "spec", "numpy-vectorised", 3.5),
+        Ratio("absent", "host_step", ("decode-1024", "spec"), ("decode-8", "spec"), 1.0),
+    )
+    got = [(r.what, None if r.measured is None else round(r.measured, 6), r.met) for r in target_rows(rows, targets)]
+    assert got == [
+        ("spec at 64 / spec at 8", 1.5, False),  # 6e-3 / 4e-3
+        ("decode-8: spec / numpy-vectorised", 4.0, False),  # 4e-3 / 1e-3
+        ("decode-64: spec / numpy-vectorised", 3.0, True),  # 6e-3 / 2e-3
+        ("absent", None, None),
+    ]
+
+
+def _fake_bench(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, list[int | None]]:
+    """slotmap.bench.run with its folders under tmp_path and pytest replaced by the hand-made JSON."""
+    from slotmap.bench import run as bench_run
+
+    for name in ("RESULTS", "SCRATCH", "IMAGES"):
+        monkeypatch.setattr(bench_run, name, tmp_path / name.lower())
+    monkeypatch.setattr(bench_run, "ROOT", tmp_path)
+    monkeypatch.setattr(bench_run, "PAGE", tmp_path / "docs" / "performance.md")
+    threads: list[int | None] = []
+
+    def fake_run(quick: bool, budget: float | None, json_path: Path, extra: list[str], pinned: int | None) -> str:
+        threads.append(pinned)
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        _fake_results(json_path)
+        data = json.loads(json_path.read_text())
+        json_path.write_text(json.dumps({**data, "slotmap_command": "python -m pytest benchmarks"}))
+        return "python -m pytest benchmarks"
+
+    monkeypatch.setattr(bench_run, "run", fake_run)
+    return bench_run, threads
+
+
+def test_bench_writes_only_to_scratch_unless_saved(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from rich.console import Console
+
+    bench_run, threads = _fake_bench(tmp_path, monkeypatch)
+    console = Console(record=True, width=200)
+    bench_run.main(bench_run.BenchOptions(machine="testbox"), console)
+    assert (tmp_path / "scratch" / "testbox.json").exists() and (tmp_path / "scratch" / "performance.md").exists()
+    assert not (tmp_path / "results").exists() and not (tmp_path / "docs").exists()
+    assert threads == [None]
+    printed = console.export_text()
+    assert "targets on testbox" in printed and "host step, 256 decodes: fast / numpy-vectorised" in printed
+
+    bench_run.main(bench_run.BenchOptions(save=True, machine="testbox"), console)
+    assert (tmp_path / "results" / "testbox.json").exists() and (tmp_path / "docs" / "performance.md").exists()
+    assert threads == [None, bench_run.PUBLISH_THREADS]  # publishing pins the threads
+    assert json.loads((tmp_path / "results" / "testbox.json").read_text())["slotmap_command"]
+
+
+def test_published_page_ignores_json_not_written_by_bench_save(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    bench_run, _ = _fake_bench(tmp_path, monkeypatch)
+    (tmp_path / "results").mkdir()
+    _fake_results(tmp_path / "results" / "mine.json")  # a plain pytest-benchmark run left here by hand
+    with pytest.raises(SystemExit, match="no results"):
+        bench_run.main(bench_run.BenchOptions(save=True, render_only=True), _quiet())
+    assert bench_run.published() == []
+
+
+def _quiet() -> Any:
+    from rich.console import Console
+
+    return Console(file=open(os.devnull, "w"))

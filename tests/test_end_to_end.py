@@ -7,7 +7,6 @@ densely in float64 over the request's whole sequence (prompt + generated), with 
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -97,7 +96,8 @@ def test_dense_check_catches_a_wrong_position() -> None:
 
     def shifted_prepare(sched: SchedulerOutput, pad: int | None = None) -> BatchInputs:
         batch = real_prepare(sched, pad)
-        return dataclasses.replace(batch, positions=batch.positions + 1)
+        batch.positions[:] += 1  # in place: record_sampled accepts only the batch prepare returned
+        return batch
 
     engine.pool.prepare = shifted_prepare  # type: ignore[method-assign,assignment]
     engine.step(out, pad_to)

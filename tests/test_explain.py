@@ -21,8 +21,9 @@ from conformance.backends import BackendHandle, load_backend
 from conformance.examples import A_PROMPT, B_SAMPLED
 from slotmap.cli import app
 from slotmap.pictures.demo import render_step
-from slotmap.pictures.explanation import Explanation, explain_step, render
+from slotmap.pictures.explanation import Explanation, explain_step
 from slotmap.pictures.steps import StepView, seeded_step, worked_example_step
+from slotmap.pictures.terminal import render
 from spec import PAD_SLOT_ID
 
 WIDE = {"COLUMNS": "200"}  # rich wraps table cells at the default 80 columns
@@ -194,3 +195,10 @@ def test_cli_explain_seeded(tmp_path: Path) -> None:
     assert (tmp_path / "s.svg").stat().st_size > 0
     past = CliRunner().invoke(app, ["explain", "--seed", "1", "--step", "500"], env=WIDE)
     assert past.exit_code == 2 and "finished after" in past.output
+
+
+def test_a_seeded_title_counts_the_batch_not_the_workload() -> None:
+    view = seeded_step(load_backend("spec"), 1, 4)
+    in_batch = len(view.batch["req_ids"])
+    assert in_batch < 6  # the workload has 6 requests; this step's batch holds fewer
+    assert f"{in_batch} requests in the batch (of 6 in the workload)" in view.title

@@ -1,4 +1,8 @@
-"""The `slotmap` command. Each subcommand lives in its own module; this file only wires them up."""
+"""The `slotmap` command: each subcommand checks its options, then calls the part of slotmap that does the work.
+
+Options are checked by the callbacks of slotmap/cli/options.py while typer parses them, so a misuse
+ends in one line saying what to pass instead (exit status 2) before anything runs.
+"""
 
 from __future__ import annotations
 
@@ -8,99 +12,161 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from slotmap.cli import options
+
 app = typer.Typer(
     help="slotmap: how a paged-KV engine turns a scheduler's decision into GPU inputs.", no_args_is_help=True
 )
 
-BACKEND_HELP = "spec, fast, fast-interpret, or module:factory"
+Backend = Annotated[str, typer.Option(help=options.BACKEND_HELP, callback=options.backend)]
+
+
+def _version(show: bool) -> None:
+    if show:
+        from slotmap import __version__
+
+        typer.echo(f"slotmap {__version__}")
+        raise typer.Exit()
 
 
 @app.callback()
-def main() -> None:
+def main(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="print the version and exit")
+    ] = False,
+) -> None:
     """Show, simulate, check and benchmark the paged-KV input pipeline."""
 
 
 @app.command()
-def demo(backend: str = typer.Option("spec", help=BACKEND_HELP)) -> None:
-    """Print the articles' worked example: state rows, batch, flat tokens, slots."""
+def demo(backend: Backend = "spec") -> None:
+    """Print the source article's worked example (state rows, batch, flat tokens, slots), then a short simulation."""
     from conformance.backends import load_backend
     from slotmap.pictures.demo import render_step
     from slotmap.pictures.steps import worked_example_step
 
-    render_step(worked_example_step(load_backend(backend)), Console())
-    from slotmap.simulate.run import SimulateOptions, simulate_command
-
     console = Console()
+    render_step(worked_example_step(load_backend(backend)), console)
     console.rule("the same pipeline under a scheduler: a short `slotmap simulate`")
-    if not simulate_command(SimulateOptions(backend=backend, requests=16, verify_every=4), console):
-        raise typer.Exit(1)
+    _simulate(backend, requests=16, seed=0, verify_every=4, dense_check=True, plot=None, console=console)
 
 
 @app.command()
 def explain(
-    backend: Annotated[str, typer.Option(help=BACKEND_HELP)] = "spec",
+    backend: Backend = "spec",
     seed: Annotated[int | None, typer.Option(help="a step of a random workload from the reference scheduler")] = None,
-    step: Annotated[int | None, typer.Option(help="which step, from 1 (default: 2, or 4 with --seed)")] = None,
-    pad_to: Annotated[int | None, typer.Option(help="pad the step's tokens to this count")] = None,
-    svg: Annotated[Path | None, typer.Option(help="also draw the step as an SVG picture here")] = None,
-    png: Annotated[Path | None, typer.Option(help="also draw the step as a PNG picture here")] = None,
+    step: Annotated[int | None, typer.Option(min=1, help="which step, from 1 (default: 2, or 4 with --seed)")] = None,
+    pad_to: Annotated[int | None, typer.Option(min=1, help="pad the step's tokens to this count")] = None,
+    svg: Annotated[
+        Path | None, typer.Option(callback=options.suffix("svg"), help="also draw the step as an SVG picture here")
+    ] = None,
+    png: Annotated[
+        Path | None, typer.Option(callback=options.suffix("png"), help="also draw the step as a PNG picture here")
+    ] = None,
 ) -> None:
     """Show one step in the four index spaces: state rows, batch, flat tokens, each token's path to its slot."""
-    from slotmap.pictures.explanation import explain_command
+    from conformance.backends import load_backend
+    from slotmap.pictures import steps
+    from slotmap.pictures.explanation import explain_step
+    from slotmap.pictures.terminal import render
 
-    explain_command(backend, seed, step, pad_to, svg, png, Console())
+    handle = load_backend(backend)
+    try:
+        if seed is None:
+            view = steps.worked_example_step(handle, 2 if step is None else step, pad_to)
+        else:
+            view = steps.seeded_step(handle, seed, step, pad_to)
+    except ValueError as e:  # a step past the schedule, or a pad_to below the step's tokens
+        raise typer.BadParameter(str(e)) from e
+    ex = explain_step(view)
+    console = Console()
+    render(ex, console)
+    for path, fmt in ((svg, "svg"), (png, "png")):
+        if path is not None:
+            from slotmap.pictures.drawing import save_picture
+
+            save_picture(ex, path, fmt)
+            console.print(f"wrote {path}")
 
 
 @app.command()
 def simulate(
-    backend: Annotated[str, typer.Option(help=BACKEND_HELP)] = "fast",
+    backend: Backend = "fast",
     requests: Annotated[int, typer.Option(min=1, help="requests in the synthetic workload")] = 200,
-    seed: Annotated[int, typer.Option(help="workload and scheduler seed")] = 0,
+    seed: Annotated[int, typer.Option(min=0, help="workload and scheduler seed")] = 0,
     verify_every: Annotated[int, typer.Option(min=0, help="replay every K-th step through spec (0: never)")] = 10,
     dense_check: Annotated[bool, typer.Option(help="recompute every finished request densely and compare")] = True,
-    plot: Annotated[Path | None, typer.Option(help="save batch composition and KV block usage here")] = None,
+    plot: Annotated[
+        Path | None,
+        typer.Option(callback=options.figure, help="save batch composition and KV block usage here (.png, .svg, ...)"),
+    ] = None,
 ) -> None:
     """Run a synthetic workload through scheduler -> pool -> a tiny decoder, verifying against spec as it goes."""
-    from slotmap.simulate.run import SimulateOptions, simulate_command
+    _simulate(backend, requests, seed, verify_every, dense_check, plot, Console())
 
-    options = SimulateOptions(backend, requests, seed, verify_every, dense_check, plot)
-    if not simulate_command(options, Console()):
+
+def _simulate(
+    backend: str, requests: int, seed: int, verify_every: int, dense_check: bool, plot: Path | None, console: Console
+) -> None:
+    from slotmap.simulate.report import render_report
+    from slotmap.simulate.run import SimulateOptions, run_simulation
+
+    report = run_simulation(SimulateOptions(backend, requests, seed, verify_every, dense_check), console)
+    render_report(report, console)
+    if plot is not None:
+        from slotmap.simulate.plot import save_plot
+
+        save_plot(report, plot)
+        console.print(f"plot saved to {plot}")
+    if not report.all_matched:
         raise typer.Exit(1)
 
 
 @app.command()
 def check(
-    backend: Annotated[str, typer.Option(help=BACKEND_HELP)] = "fast",
+    backend: Backend = "fast",
     steps: Annotated[int, typer.Option(min=1, help="scheduler steps to compare against spec")] = 2000,
-    seed: Annotated[int, typer.Option(help="seed of the scenarios (configs, workloads, scheduler knobs)")] = 0,
+    seed: Annotated[int, typer.Option(min=0, help="seed of the scenarios (configs, workloads, scheduler knobs)")] = 0,
     invalid_share: Annotated[float, typer.Option(min=0.0, max=1.0, help="share of steps sent broken first")] = 0.2,
-    repro: Annotated[Path | None, typer.Option(help="on a mismatch, also write the reproduction here")] = None,
+    repro: Annotated[
+        Path | None, typer.Option(callback=options.text_file, help="on a mismatch, also write the reproduction here")
+    ] = None,
 ) -> None:
     """Differential check of a backend against spec on seeded scheduler runs; exit status 1 on any difference."""
     from slotmap.cli.check import CheckOptions, check_command
 
-    options = CheckOptions(backend=backend, steps=steps, seed=seed, invalid_share=invalid_share, repro=repro)
-    if not check_command(options, Console()):
+    run = CheckOptions(backend=backend, steps=steps, seed=seed, invalid_share=invalid_share, repro=repro)
+    if not check_command(run, Console()):
         raise typer.Exit(1)
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def bench(
     ctx: typer.Context,
-    quick: Annotated[bool, typer.Option(help="the CI subset only; results go to a scratch folder")] = False,
-    render_only: Annotated[bool, typer.Option(help="re-render docs/performance.md from saved JSON only")] = False,
-    budget: Annotated[float | None, typer.Option(help="seconds of timing per benchmark (0.5; quick: 0.05)")] = None,
-    machine: Annotated[str | None, typer.Option(help="results file name (default: CPU or GPU model and cores)")] = None,
-    threads: Annotated[int | None, typer.Option(help="torch/OpenMP threads (default: torch's choice)")] = None,
+    quick: Annotated[bool, typer.Option(help="the CI subset only (fewer sizes, short timing)")] = False,
+    save: Annotated[
+        bool,
+        typer.Option(help="publish: pin threads, keep the JSON in benchmarks/results/, re-render docs/performance.md"),
+    ] = False,
+    render_only: Annotated[bool, typer.Option(help="run nothing: re-render the page from the kept JSON")] = False,
+    budget: Annotated[
+        float | None, typer.Option(callback=options.positive, help="seconds of timing per benchmark (0.5; quick: 0.05)")
+    ] = None,
+    machine: Annotated[
+        str | None, typer.Option(callback=options.machine, help="results file name (default: CPU or GPU model, cores)")
+    ] = None,
+    threads: Annotated[
+        int | None, typer.Option(min=1, help="torch/OpenMP threads (default: torch's choice; with --save: 1)")
+    ] = None,
 ) -> None:
-    """Benchmark spec, fast and the baselines; save benchmarks/results/<machine>.json; render docs/performance.md.
+    """Benchmark spec, fast and the baselines into a scratch folder and print the targets table.
 
-    Extra arguments go to pytest (e.g. `-k host_step`).
+    Nothing in the repository changes unless --save is given. Extra arguments go to pytest (e.g. `-k host_step`).
     """
+    from slotmap.bench.run import BenchOptions
     from slotmap.bench.run import main as bench_main
 
-    bench_main(quick, render_only, budget, machine, threads, list(ctx.args))
+    if save and quick:
+        raise typer.BadParameter("a published run is the full sweep: drop --quick", param_hint="--save")
 
-
-if __name__ == "__main__":
-    app()
+    bench_main(BenchOptions(quick, save, render_only, budget, machine, threads, list(ctx.args)), Console())

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from rich.console import Console
 
-from slotmap.pictures.explanation import address_path, explain_step, render
+from slotmap.pictures.explanation import address_path, explain_step
 from slotmap.pictures.steps import StepView
+from slotmap.pictures.terminal import render
 
 INTRO = (
     "The articles' example: request A holds state row 6 with blocks [81, 44] and 16 tokens computed; "

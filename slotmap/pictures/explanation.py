@@ -3,24 +3,17 @@
     req_state_idx (pool rows) <- index_mapping -- batch_idx -- query_start_loc --> flat token index
     flat token index -> position -> (logical block, offset) -> physical block -> slot, per KV group
 
-`explain_step` turns a `StepView` into an `Explanation` (plain rows of numbers); `render` prints it as
-rich tables and `slotmap.pictures.drawing` draws the same rows. Every number shown is the backend's output
-except the two the chain defines by arithmetic, divmod(position, block_size), and the check
-physical block * block_size + offset, shown in red wherever it disagrees with the backend's slot.
+`explain_step` turns a `StepView` into an `Explanation` (plain rows of numbers): `slotmap.pictures.terminal`
+prints it as rich tables, `slotmap.pictures.drawing` draws the same rows. Every number shown is the
+backend's output except the two the chain defines by arithmetic, divmod(position, block_size), and the
+check physical block * block_size + offset, shown in red wherever it disagrees with the backend's slot.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
-
-import typer
-from rich.console import Console
-from rich.table import Table
-from rich.text import Text
 
 from slotmap.pictures.steps import StepView
-from spec.types import PAD_SLOT_ID
 
 # One colour per request (matplotlib's tab10), shared by the terminal and the pictures.
 PALETTE = (
@@ -152,101 +145,3 @@ def address_path(token: TokenRow, g: int) -> str:
         return f"padding → {token.slots[g]}"
     a = token.addresses[g]
     return f"{token.position} → ({a.logical_block}, {a.offset}) → {a.physical_block} → {a.slot}"
-
-
-def render(ex: Explanation, console: Console) -> None:
-    def req(req_id: str | None) -> Text:
-        return Text("pad" if req_id is None else req_id, style=f"bold {ex.colour(req_id)}")
-
-    if ex.title:
-        console.rule(ex.title)
-
-    pool = Table(title="1. request state pool: req_state_idx → request (persistent; after apply)")
-    for col in ("req_state_idx", "req_id", "computed / known", "batch_idx"):
-        pool.add_column(col, justify="right")
-    for g, group in enumerate(ex.groups):
-        pool.add_column(f"block_table, {group_label(g, group)}")
-    for s in ex.state_rows:
-        tables = [str(list(ids)) for ids in s.block_ids]
-        scheduled = "-" if s.batch_idx is None else str(s.batch_idx)
-        pool.add_row(str(s.row), req(s.req_id), f"{s.num_computed_tokens} / {s.num_known_tokens}", scheduled, *tables)
-    console.print(pool)
-
-    batch = Table(title="2. batch: batch_idx → req_state_idx (index_mapping), sorted by num_scheduled_tokens")
-    for col in ("batch_idx", "req_id", "req_state_idx", "num_scheduled_tokens", "flat tokens", "seq_len"):
-        batch.add_column(col, justify="right")
-    for r in ex.batch_rows:
-        batch.add_row(
-            str(r.batch_idx), req(r.req_id), str(r.req_state_idx), str(r.num_scheduled_tokens),
-            f"[{r.token_start}, {r.token_end})", str(r.seq_len),
-        )  # fmt: skip
-    console.print(batch)
-    console.print(f"index_mapping = {[r.req_state_idx for r in ex.batch_rows]}")
-    console.print(f"query_start_loc = {list(ex.query_start_loc)}")
-
-    tokens = Table(title="3. flat tokens: flat idx → (batch_idx, position), cut by query_start_loc")
-    for col in ("flat idx", "query_start_loc", "batch_idx", "req_id", "position", "input_id"):
-        tokens.add_column(col, justify="right")
-    starts = {start: b for b, start in enumerate(ex.query_start_loc[:-1])}
-    for t in ex.tokens:
-        boundary = f"[{starts[t.flat_idx]}] = {t.flat_idx}" if t.flat_idx in starts and t.req_id is not None else ""
-        tokens.add_row(
-            str(t.flat_idx), boundary, "-" if t.batch_idx is None else str(t.batch_idx), req(t.req_id),
-            str(t.position), str(t.input_id), end_section=_ends_request(ex, t),
-        )  # fmt: skip
-    console.print(tokens)
-
-    for g, group in enumerate(ex.groups):
-        paths = Table(title=f"{4 + g}. addresses in KV {group_label(g, group)}: position → slot")
-        for col in ("flat idx", "req_id", "position", "→ (logical, offset)", "→ physical block", "→ slot"):
-            paths.add_column(col, justify="right")
-        for t in ex.tokens:
-            if not t.addresses:
-                paths.add_row(str(t.flat_idx), req(None), str(t.position), "", "", str(t.slots[g]))
-                continue
-            a = t.addresses[g]
-            slot = Text(str(a.slot), style="" if a.consistent else "bold red")
-            paths.add_row(
-                str(t.flat_idx), req(t.req_id), str(t.position), f"({a.logical_block}, {a.offset})",
-                str(a.physical_block), slot, end_section=_ends_request(ex, t),
-            )  # fmt: skip
-        console.print(paths)
-    if any(not a.consistent for t in ex.tokens for a in t.addresses):
-        console.print("[bold red]slots in red: the backend's slot differs from physical block * block_size + offset[/]")
-    if any(t.req_id is None for t in ex.tokens):
-        console.print(f"padding tokens: position 0, input id 0, slot PAD_SLOT_ID = {PAD_SLOT_ID}")
-
-
-def _ends_request(ex: Explanation, t: TokenRow) -> bool:
-    return t.batch_idx is not None and t.flat_idx + 1 == ex.query_start_loc[t.batch_idx + 1]
-
-
-def explain_command(
-    backend_name: str,
-    seed: int | None,
-    step: int | None,
-    pad_to: int | None,
-    svg: Path | None,
-    png: Path | None,
-    console: Console,
-) -> None:
-    """What `slotmap explain` does: pick the step, print it, and draw it if asked."""
-    from conformance.backends import load_backend
-    from slotmap.pictures import steps
-
-    backend = load_backend(backend_name)
-    try:
-        if seed is None:
-            view = steps.worked_example_step(backend, 2 if step is None else step, pad_to)
-        else:
-            view = steps.seeded_step(backend, seed, step, pad_to)
-    except ValueError as e:
-        raise typer.BadParameter(str(e)) from e
-    ex = explain_step(view)
-    render(ex, console)
-    for path, fmt in ((svg, "svg"), (png, "png")):
-        if path is not None:
-            from slotmap.pictures.drawing import save_picture
-
-            save_picture(ex, path, fmt)
-            console.print(f"wrote {path}")

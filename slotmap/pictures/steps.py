@@ -102,7 +102,10 @@ def seeded_step(backend: BackendHandle, seed: int, step: int | None = None, pad_
         pool.apply(out)
         if number == step:
             batch = pool.prepare(out, padded if pad_to is None else pad_to)
-            title = f"seed {seed}, step {step}: {len(workload.requests)} requests, reference scheduler"
+            title = (
+                f"seed {seed}, step {step}: {batch.num_reqs} requests in the batch "
+                f"(of {len(workload.requests)} in the workload), reference scheduler"
+            )
             return StepView(config, pool.snapshot(), backend.batch_to_numpy(batch), title)
         batch = pool.prepare(out, padded)
         tokens = [sampler.randrange(config.vocab_size) for _ in batch.req_ids]

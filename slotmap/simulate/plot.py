@@ -10,7 +10,7 @@ matplotlib.use("Agg")  # files only: never needs a display
 
 import matplotlib.pyplot as plt
 
-from slotmap.simulate.run import SimulationReport
+from slotmap.simulate.report import SimulationReport
 
 
 def save_plot(report: SimulationReport, path: Path) -> None:

@@ -11,19 +11,18 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
 from conformance.backends import load_backend
 from conformance.scheduler import ReferenceScheduler, SchedulerKnobs, make_workload
-from slotmap.simulate.dense_check import DenseCheck, check_request
+from slotmap.simulate.dense_check import check_request
+from slotmap.simulate.report import SimulationReport
 from slotmap.simulate.verify import SpecVerifier
-from slotmap.tiny.engine import STAGES, Engine, RequestRecord, StepResult, StepStats, drive
+from slotmap.tiny.engine import Engine, RequestRecord, StepResult, StepStats, drive
 from slotmap.tiny.model import ModelConfig
 from spec.types import KVCacheGroup, SchedulerOutput, WorkerConfig
 
@@ -35,7 +34,6 @@ class SimulateOptions:
     seed: int = 0
     verify_every: int = 10  # 0: never replay through spec
     dense_check: bool = True
-    plot: Path | None = None
     max_prompt_len: int = 96
     max_new_tokens: int = 32
     arrival_steps: int | None = None  # arrivals spread over this many steps (default: one per 2 requests)
@@ -57,29 +55,6 @@ def simulation_config(options: SimulateOptions) -> WorkerConfig:
 
 def simulation_knobs() -> SchedulerKnobs:
     return SchedulerKnobs(max_chunk=64, pad_buckets=(8, 16, 24, 32, 48, 64, 96, 128, 192, 256), reuse_freed_first=True)
-
-
-@dataclass
-class SimulationReport:
-    backend: str
-    config: WorkerConfig
-    steps: int = 0
-    seconds: float = 0.0
-    scheduled_tokens: int = 0
-    generated_tokens: int = 0
-    stage_seconds: dict[str, float] = field(default_factory=dict)
-    step_stats: list[StepStats] = field(default_factory=list)
-    block_usage: list[list[int]] = field(default_factory=list)  # per step: blocks in use per group
-    preemptions: int = 0
-    prefix_hit_tokens: int = 0
-    prompt_tokens: int = 0
-    finished: int = 0
-    verifier: SpecVerifier | None = None
-    dense: list[DenseCheck] = field(default_factory=list)
-
-    @property
-    def all_matched(self) -> bool:
-        return (self.verifier is None or self.verifier.all_matched) and all(c.ok for c in self.dense)
 
 
 def run_simulation(options: SimulateOptions, console: Console | None = None) -> SimulationReport:
@@ -148,71 +123,3 @@ def _cpu_threads(count: int | None) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
-
-
-def render_report(report: SimulationReport, console: Console) -> None:
-    table = Table(title=f"slotmap simulate --backend {report.backend}", show_header=False)
-    table.add_column("what")
-    table.add_column("value", justify="right")
-    engine_seconds = sum(report.stage_seconds.get(s, 0.0) for s in STAGES if s != "verify")
-    table.add_row("steps", str(report.steps))
-    table.add_row("requests finished", str(report.finished))
-    table.add_row("tokens scheduled / generated", f"{report.scheduled_tokens} / {report.generated_tokens}")
-    table.add_row("wall time", f"{report.seconds:.2f} s")
-    if engine_seconds > 0:
-        rate = report.scheduled_tokens / engine_seconds
-        table.add_row("tokens/s (scheduled, excluding verification)", f"{rate:,.0f}")
-    padding = sum(s.padding_tokens for s in report.step_stats)
-    table.add_row("padding tokens", str(padding))
-    table.add_row("preemptions", str(report.preemptions))
-    hit_rate = report.prefix_hit_tokens / report.prompt_tokens if report.prompt_tokens else 0.0
-    table.add_row("prefix-cache hits", f"{report.prefix_hit_tokens} tokens ({hit_rate:.1%} of prompt tokens)")
-    for g, group in enumerate(report.config.kv_groups):
-        usage = [u[g] for u in report.block_usage] or [0]
-        real = group.num_blocks - 1
-        window = f", window {group.sliding_window}" if group.sliding_window else ""
-        table.add_row(
-            f"KV group {g} blocks in use (of {real}{window})",
-            f"mean {sum(usage) / len(usage) / real:.0%}, peak {max(usage) / real:.0%}",
-        )
-    if report.verifier is not None:
-        v = report.verifier
-        table.add_row(
-            f"verified against spec (every {v.every} steps)",
-            f"{v.steps_checked} steps, worst logit error {v.worst_ratio:.2f} x bound: "
-            + ("all matched" if v.all_matched else f"{len(v.mismatches)} MISMATCHES"),
-        )
-    if report.dense:
-        bad = [c for c in report.dense if not c.ok]
-        worst = max(c.max_error / c.tolerance for c in report.dense)
-        table.add_row(
-            "dense recompute (every request, every token)",
-            f"{len(report.dense)} requests, worst error {worst:.1e} x tolerance: "
-            + ("all matched" if not bad else f"{len(bad)} FAILED"),
-        )
-    table.add_row("every checked step matched", "[green]yes[/]" if report.all_matched else "[red]NO[/]")
-    console.print(table)
-
-    split = Table(title="time per stage")
-    for col in ("stage", "seconds", "share"):
-        split.add_column(col, justify="right" if col != "stage" else "left")
-    total = sum(report.stage_seconds.values()) or 1.0
-    for stage in (*STAGES, "dense check"):
-        seconds = report.stage_seconds.get(stage, 0.0)
-        split.add_row(stage, f"{seconds:.3f}", f"{seconds / total:.1%}")
-    console.print(split)
-    problems = (report.verifier.mismatches if report.verifier else []) + [f for c in report.dense for f in c.failures]
-    for line in problems[:10]:
-        console.print(f"[red]{line}[/]")
-
-
-def simulate_command(options: SimulateOptions, console: Console) -> bool:
-    """Run, print the summary, save the plot if asked; True when every checked step matched."""
-    report = run_simulation(options, console)
-    render_report(report, console)
-    if options.plot is not None:
-        from slotmap.simulate.plot import save_plot
-
-        save_plot(report, options.plot)
-        console.print(f"plot saved to {options.plot}")
-    return report.all_matched

@@ -1,0 +1,238 @@
+"""docs/performance.md (or its scratch copy): one section per machine, one per stage, from saved JSON only."""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from slotmap.bench.results import Result, fmt_ratio, fmt_time, load, ordered, workload_key
+from slotmap.bench.targets import markdown_rows, target_rows
+
+STAGES = (  # (stage, what it times, the provider every ratio divides by); stages not listed follow, as recorded
+    ("host_step", "apply + prepare + record_sampled: one whole host step, validation included", "numpy-vectorised"),
+    ("apply", "apply alone: validate the scheduler output and update the pool", "numpy-vectorised"),
+    ("prepare", "prepare alone: the whole BatchInputs of an applied step", "numpy-vectorised"),
+    ("slot_mapping", "group 0's slot mapping alone, from token rows and positions", "numpy-vectorised"),
+    ("write_kv", "write this step's keys and values to their slots (reshape_and_cache)", "spec"),
+    ("paged_attention", "attention of this step's queries over their paged KV, one layer", "dense-sdpa"),
+    ("layer_step", "apply + prepare + write_kv + paged_attention (+ record_sampled), one layer", "spec"),
+)
+PEAK_GBPS = {"H200": 4800.0, "H100": 3350.0, "A100": 2039.0, "L40S": 864.0, "A10": 600.0}  # HBM/GDDR peak, GB/s
+
+
+def stages_of(results: list[Result]) -> list[tuple[str, str, str | None]]:
+    """The known stages in their order, then any stage the JSON holds that this file has not heard of."""
+    known = [s for s in STAGES if any(r.stage == s[0] for r in results)]
+    names = {s[0] for s in STAGES}
+    extra: dict[str, tuple[str, str, str | None]] = {}
+    for r in results:
+        if r.stage not in names and r.stage not in extra:
+            extra[r.stage] = (r.stage, r.what or f"stage `{r.stage}`", r.reference)
+    return [*known, *extra.values()]
+
+
+def _stage_section(
+    machine: str, stage: str, what: str, base: str | None, results: list[Result], img_dir: Path, page: Path
+) -> list[str]:
+    by_workload: dict[str, dict[str, Result]] = defaultdict(dict)
+    for r in results:
+        by_workload[r.workload][r.provider] = r
+    workloads = sorted(by_workload, key=lambda w: workload_key(next(iter(by_workload[w].values()))))
+    present = {r.provider for r in results}
+    providers = ordered(present)
+    out = [f"### {stage}", "", what + ".", ""]
+    head = "| workload | reqs | tokens | " + " | ".join(providers) + " |"
+    rule = "|---|---:|---:|" + "---:|" * len(providers)
+    out += ["Median time per call:", "", head, rule]
+    for w in workloads:
+        row = by_workload[w]
+        any_r = next(iter(row.values()))
+        cells = [fmt_time(row[p].median) if p in row else "–" for p in providers]
+        out.append(f"| {w} | {any_r.num_reqs} | {any_r.num_tokens} | " + " | ".join(cells) + " |")
+    ratio_cols = [] if base is None else [p for p in providers if _reference_for(base, p, present) not in (None, p)]
+    if ratio_cols:
+        out += ["", f"Time relative to `{base}` on the same device (below 1.00× is faster than `{base}`):", ""]
+        out += ["| workload | " + " | ".join(ratio_cols) + " |", "|---|" + "---:|" * len(ratio_cols)]
+        for w in workloads:
+            row = by_workload[w]
+            cells = []
+            for p in ratio_cols:
+                ref = _reference_for(base, p, present)  # type: ignore[arg-type]
+                ok = p in row and ref in row
+                cells.append(fmt_ratio(row[p].median / row[ref].median) if ok else "–")  # type: ignore[index]
+            out.append(f"| {w} | " + " | ".join(cells) + " |")
+    flops = any(r.flops for r in results) and stage == "paged_attention"
+    unit = "GFLOP/s" if flops else "GB/s"
+    out += ["", f"Throughput ({unit}, from the work recorded in extra_info):", ""]
+    out += ["| workload | " + " | ".join(providers) + " |", "|---|" + "---:|" * len(providers)]
+    for w in workloads:
+        row = by_workload[w]
+        cells = [f"{getattr(row[p], 'flops' if flops else 'nbytes') / row[p].median / 1e9:.3g}" if p in row else "–"
+                 for p in providers]  # fmt: skip
+        out.append(f"| {w} | " + " | ".join(cells) + " |")
+    plot = _plot(machine, stage, results, img_dir)
+    if plot is not None:
+        out += ["", f"![{stage}: time vs batch size]({os.path.relpath(plot, page.parent)})"]
+    return [*out, ""]
+
+
+def _plot(machine: str, stage: str, results: list[Result], img_dir: Path) -> Path | None:
+    """Median time vs number of requests, decode batches with one KV group, one line per provider."""
+    series: dict[str, list[tuple[int, float]]] = defaultdict(list)
+    for r in results:
+        if r.kind == "decode" and r.num_groups == 1:
+            series[r.provider].append((r.num_reqs, r.median))
+    if not any(len(points) > 1 for points in series.values()):
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
+    for provider in ordered(set(series)):
+        points = sorted(series[provider])
+        ax.plot([p[0] for p in points], [p[1] * 1e3 for p in points], marker="o", label=provider)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("decode requests in the batch")
+    ax.set_ylabel("median time (ms)")
+    ax.set_title(f"{stage} on {machine}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    img_dir.mkdir(parents=True, exist_ok=True)
+    path = img_dir / f"{machine}-{stage}.png"
+    fig.savefig(path, metadata={"Software": None})  # no version string: re-rendering the same JSON is stable
+    plt.close(fig)
+    return path
+
+
+def _gpu_lines(machine: str, results: list[Result]) -> list[str]:
+    gpu = [r for r in results if r.provider == "fast-cuda"]
+    if not gpu:
+        return [
+            "No CUDA device in this run: the GPU targets (prepare launches and time, attention and KV-write "
+            "bandwidth as a fraction of peak) are measured by running `slotmap bench` on a GPU machine."
+        ]
+    peak = next((v for k, v in PEAK_GBPS.items() if k.lower() in machine.split("-")), None)
+    out = [
+        "| stage | workload | median | launches | GB/s | fraction of peak |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for r in sorted(gpu, key=lambda r: (r.stage, workload_key(r))):
+        if r.stage in ("prepare", "paged_attention", "write_kv"):
+            gbps = r.nbytes / r.median / 1e9
+            frac = f"{gbps / peak:.0%}" if peak else "peak unknown"
+            launches = "" if r.launches is None else str(r.launches)
+            out.append(f"| {r.stage} | {r.workload} | {fmt_time(r.median)} | {launches} | {gbps:.1f} | {frac} |")
+    return out
+
+
+def render(json_paths: list[Path], page: Path, img_dir: Path) -> None:
+    """Writes the page for these results files (one section per machine), its plots beside it in img_dir."""
+    lines = [
+        "# Performance",
+        "",
+        "<!-- Generated by `slotmap bench --save` (slotmap/bench/) from benchmarks/results/*.json. Do not edit by "
+        "hand: re-render with `slotmap bench --save --render-only`. -->",
+        "",
+        "Every number below is the median of a pytest-benchmark run kept under `benchmarks/results/`. The suites are "
+        "in `benchmarks/`; the baselines are in `benchmarks/baselines/` and are checked against spec by "
+        "`tests/test_bench_smoke.py`, so no benchmark times a wrong answer.",
+        "",
+        "## Commands",
+        "",
+        "```bash",
+        ".venv/bin/slotmap bench                # full sweep into benchmarks/.scratch/ (git ignores it); targets",
+        ".venv/bin/slotmap bench --quick        # the CI subset only (same suites, fewer sizes, short timing)",
+        ".venv/bin/slotmap bench --save         # publish: one torch thread (or --threads N), JSON to "
+        "benchmarks/results/, this page",
+        ".venv/bin/slotmap bench --save --render-only  # re-render this page from the published JSON",
+        "# plain pytest (pyproject's addopts disable benchmarks; --benchmark-enable turns them back on):",
+        ".venv/bin/python -m pytest benchmarks --benchmark-enable --benchmark-json=benchmarks/.scratch/mine.json",
+        "```",
+        "",
+        "## What is measured",
+        "",
+        "- **Providers.** `spec`: the NumPy reference. `fast`: the torch implementation on CPU tensors (vectorised "
+        "torch ops). `fast-cuda`: the same on a CUDA device (Triton kernels), when one is present. `numpy-vectorised`: "
+        "persistent NumPy arrays and `np.repeat`/`cumsum` index arithmetic with flat gathers and no validation, as "
+        "vLLM v1's CPU input preparation does: the strongest CPU peer. `python-lists`: per-token Python lists turned "
+        "into tensors, as small educational engines (nano-vllm) do. `dense-sdpa`: "
+        "`torch.nn.functional.scaled_dot_product_attention` once per request on the same tokens laid out "
+        "contiguously (no paging, no padding waste; the contiguous copy is made before timing).",
+        "- **Workloads.** `decode-N`: N running requests, one token each, contexts uniform in 1k–4k tokens. "
+        "`prefill-PxL`: P new prompts of L tokens each step (last step's finish). `mixed-N+PxL`: both. `-g3`: three KV "
+        "cache groups (block sizes 16 and 32, and a sliding-window group of 16) instead of one. Block ids are a "
+        "shuffled free list, as an allocator hands them out. Every provider sees the same stream of steps.",
+        "- **Stateful stages** (`apply`, `host_step`, `layer_step`) time one step per round, each round a new valid "
+        "step (built untimed), so the pool stays in steady state. CUDA work is synchronised inside every timed call.",
+        "- **Ratios** divide a provider's median by the reference provider's median on the same workload: "
+        "`numpy-vectorised` for host stages, `dense-sdpa` for attention, `spec` for write_kv and the layer step. "
+        "0.50× means half the reference's time (twice as fast); 10× means ten times slower.",
+        "- **Throughput** is the work recorded in each benchmark's `extra_info` divided by its median: bytes of "
+        "BatchInputs produced (plus pool writes for apply) for host stages, K/V/q/out bytes for write_kv, FLOPs for "
+        "attention (4 per query-head, visible key and dimension).",
+        "",
+    ]
+    for path in json_paths:
+        data, results = load(path)
+        machine = path.stem
+        info = data.get("machine_info", {})
+        cpu = info.get("cpu", {})
+        commit = data.get("commit_info", {})
+        lines += [f"## Machine `{machine}`", ""]
+        loadavg = info.get("loadavg_at_start")
+        lines.append(
+            f"- CPU: {cpu.get('brand_raw', '?')}, {cpu.get('count', '?')} logical cores; "
+            f"Python {info.get('python_version', '?')}; run {data.get('datetime', '?')[:19]}"
+            + (f" at commit `{commit.get('id', '')[:10]}`" if commit.get("id") else "")
+        )
+        lines.append(
+            f"- torch {info.get('torch_version', '?')} with {info.get('torch_threads', '?')} intra-op threads, "
+            f"NumPy {info.get('numpy_version', '?')}"
+            + (f"; load average at start {loadavg[0]:.1f} (other work inflates times)" if loadavg else "")
+            + (f"; GPU: {info['cuda_device']}" if info.get("cuda_device") else "")
+        )
+        if data.get("slotmap_command"):
+            lines.append(f"- command: `{data['slotmap_command']}`")
+        lines += [
+            "",
+            "### Targets",
+            "",
+            *markdown_rows(target_rows(results)),
+            "",
+            "GPU:",
+            "",
+            *_gpu_lines(machine, results),
+            "",
+        ]
+        trims = _trims(data)
+        if trims:
+            lines += ["Sizes left out of this CPU run:", ""] + [f"- {t}" for t in trims] + [""]
+        for stage, what, base in stages_of(results):
+            stage_results = [r for r in results if r.stage == stage]
+            if stage_results:
+                lines += _stage_section(machine, stage, what, base, stage_results, img_dir, page)
+    page.parent.mkdir(parents=True, exist_ok=True)
+    page.write_text("\n".join(lines).rstrip() + "\n")
+
+
+def _trims(data: dict[str, Any]) -> list[str]:
+    out = []
+    for trim in data.get("slotmap_trims", []):
+        provider, _, stage = trim["who"].partition("@")
+        scope = f"`{provider}`" + (f" in `{stage}`" if stage else "")
+        if provider == "*":
+            scope = "every provider of the kernel stages"
+        out.append(f"`{trim['workload']}`, {scope}: {trim['why']}")
+    return out
+
+
+def _reference_for(base: str, provider: str, present: set[str]) -> str | None:
+    if provider.endswith("-cuda") and f"{base}-cuda" in present:
+        return f"{base}-cuda"
+    return base if base in present else None

@@ -1,0 +1,82 @@
+"""The saved pytest-benchmark JSON as rows the page and the targets table read, and how they print numbers."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+PROVIDER_ORDER = ("fast", "fast-cuda", "spec", "numpy-vectorised", "python-lists", "dense-sdpa", "dense-sdpa-cuda")
+
+
+@dataclass(frozen=True)
+class Result:
+    stage: str
+    workload: str
+    kind: str
+    provider: str
+    num_reqs: int
+    num_tokens: int
+    num_groups: int
+    median: float  # seconds
+    rounds: int
+    nbytes: int
+    flops: int
+    launches: int | None = None  # Triton launches of one call (fast's prepare only)
+    what: str = ""  # the stage's description, when the benchmark recorded one
+    reference: str | None = None  # the provider its ratios divide by, when recorded
+
+
+def load(path: Path) -> tuple[dict[str, Any], list[Result]]:
+    data = json.loads(path.read_text())
+    results = []
+    for b in data["benchmarks"]:
+        info = b.get("extra_info", {})
+        if "stage" not in info:
+            continue
+        results.append(
+            Result(
+                info["stage"],
+                info["workload"],
+                info["kind"],
+                info["provider"],
+                int(info["num_reqs"]),
+                int(info["num_tokens"]),
+                int(info["num_groups"]),
+                float(b["stats"]["median"]),
+                int(b["stats"]["rounds"]),
+                int(info.get("bytes", 0)),
+                int(info.get("flops", 0)),
+                info.get("launches"),
+                info.get("what", ""),
+                info.get("reference"),
+            )
+        )
+    return data, results
+
+
+def fmt_time(seconds: float) -> str:
+    if seconds >= 1:
+        return f"{seconds:.2f} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.2f} ms"
+    return f"{seconds * 1e6:.1f} µs"
+
+
+def fmt_ratio(ratio: float) -> str:
+    return f"{ratio:.2f}×"
+
+
+def _reference_for(base: str, provider: str, present: set[str]) -> str | None:
+    if provider.endswith("-cuda") and f"{base}-cuda" in present:
+        return f"{base}-cuda"
+    return base if base in present else None
+
+
+def ordered(providers: set[str]) -> list[str]:
+    return sorted(providers, key=lambda p: (PROVIDER_ORDER.index(p) if p in PROVIDER_ORDER else 99, p))
+
+
+def workload_key(r: Result) -> tuple[int, int, int, str]:
+    return ({"decode": 0, "prefill": 1, "mixed": 2}.get(r.kind, 3), r.num_groups, r.num_reqs, r.workload)

@@ -1,0 +1,109 @@
+"""The performance targets, as data: each names what it measures, the two medians it divides, and its goal.
+
+A target is reported, never asserted: the page and `slotmap bench` show the measured ratio next to the
+goal. `Ratio` compares two fixed (workload, provider) cells of one stage; `EachWorkload` expands to one
+row per workload the results hold for its stage, so a new workload in the suites needs no change here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rich.table import Table
+
+from slotmap.bench.results import Result, fmt_ratio, workload_key
+
+
+@dataclass(frozen=True)
+class Ratio:
+    what: str
+    stage: str
+    top: tuple[str, str]  # (workload, provider) of the numerator's median
+    bottom: tuple[str, str]  # (workload, provider) of the denominator's median
+    goal: float
+    at_most: bool = True  # the ratio should be <= goal (else >= goal)
+
+
+@dataclass(frozen=True)
+class EachWorkload:
+    what: str  # formatted with {workload}
+    stage: str
+    provider: str
+    reference: str
+    goal: float
+    at_most: bool = True
+
+
+@dataclass(frozen=True)
+class Row:
+    what: str
+    measured: float | None  # None: one of the two medians is not in the results
+    goal: str
+    met: bool | None
+
+
+TARGETS: tuple[Ratio | EachWorkload, ...] = (
+    Ratio("host step, 256 decodes: fast / numpy-vectorised", "host_step",
+          ("decode-256", "fast"), ("decode-256", "numpy-vectorised"), 0.7),
+    Ratio("host step, 256 decodes: python-lists / fast", "host_step",
+          ("decode-256", "python-lists"), ("decode-256", "fast"), 10.0, at_most=False),
+    Ratio("host step, 256 decodes: spec / numpy-vectorised", "host_step",
+          ("decode-256", "spec"), ("decode-256", "numpy-vectorised"), 10.0),
+    Ratio("host step, fast: time at 1024 decodes / time at 256", "host_step",
+          ("decode-1024", "fast"), ("decode-256", "fast"), 4.5),
+    EachWorkload("host step, {workload}: fast / numpy-vectorised", "host_step", "fast", "numpy-vectorised", 1.0),
+    Ratio("paged attention, 64 decodes: fast / dense-sdpa", "paged_attention",
+          ("decode-64", "fast"), ("decode-64", "dense-sdpa"), 1.2),
+    EachWorkload("paged attention, {workload}: fast / dense-sdpa", "paged_attention", "fast", "dense-sdpa", 1.5),
+)  # fmt: skip
+
+
+def _median(results: list[Result], stage: str, workload: str, provider: str) -> float | None:
+    for r in results:
+        if (r.stage, r.workload, r.provider) == (stage, workload, provider):
+            return r.median
+    return None
+
+
+def _row(what: str, top: float | None, bottom: float | None, goal: float, at_most: bool) -> Row:
+    ratio = None if top is None or bottom is None else top / bottom
+    met = None if ratio is None else (ratio <= goal if at_most else ratio >= goal)
+    return Row(what, ratio, f"{'≤' if at_most else '≥'} {fmt_ratio(goal)}", met)
+
+
+def target_rows(results: list[Result], targets: tuple[Ratio | EachWorkload, ...] = TARGETS) -> list[Row]:
+    rows = []
+    for t in targets:
+        if isinstance(t, Ratio):
+            top, bottom = _median(results, t.stage, *t.top), _median(results, t.stage, *t.bottom)
+            rows.append(_row(t.what, top, bottom, t.goal, t.at_most))
+            continue
+        held = sorted({r for r in results if r.stage == t.stage and r.provider == t.provider}, key=workload_key)
+        for r in held:
+            bottom = _median(results, t.stage, r.workload, t.reference)
+            rows.append(_row(t.what.format(workload=r.workload), r.median, bottom, t.goal, t.at_most))
+    return rows
+
+
+def _verdict(met: bool | None) -> str:
+    return "–" if met is None else ("met" if met else "not met")
+
+
+def markdown_rows(rows: list[Row]) -> list[str]:
+    out = ["| target (CPU) | measured | goal | |", "|---|---:|---:|---|"]
+    for row in rows:
+        shown = "not measured" if row.measured is None else fmt_ratio(row.measured)
+        verdict = _verdict(row.met) if row.met is not False else "**not met**"
+        out.append(f"| {row.what} | {shown} | {row.goal} | {verdict} |")
+    return out
+
+
+def rich_table(rows: list[Row], title: str) -> Table:
+    table = Table(title=title)
+    for col, justify in (("target", "left"), ("measured", "right"), ("goal", "right"), ("", "left")):
+        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    for row in rows:
+        shown = "not measured" if row.measured is None else fmt_ratio(row.measured)
+        style = {True: "green", False: "bold red", None: "dim"}[row.met]
+        table.add_row(row.what, shown, row.goal, f"[{style}]{_verdict(row.met)}[/]")
+    return table
