@@ -44,8 +44,12 @@ def pytest_benchmark_update_machine_info(config: pytest.Config, machine_info: di
 
 
 def pytest_benchmark_update_json(config: pytest.Config, benchmarks: list[Any], output_json: dict[str, Any]) -> None:
-    """The sizes a CPU run leaves out, saved with the results so the page can say so without importing the suites."""
+    """Summaries only (every round's raw time is megabytes), and the sizes a CPU run leaves out, so the page can
+    say so without importing the suites."""
     from benchmarks.workloads import CPU_TRIMS
+
+    for bench in output_json.get("benchmarks", []):
+        bench.get("stats", {}).pop("data", None)
 
     if not torch.cuda.is_available():
         output_json["slotmap_trims"] = [

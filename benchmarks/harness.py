@@ -14,8 +14,22 @@ MIN_ROUNDS = 3
 MAX_ROUNDS = 200  # stays well inside workloads.MAX_STREAM_STEPS
 
 
-def record(benchmark: Any, stage: str, workload: Workload, provider: str, *, nbytes: int = 0, flops: int = 0) -> None:
-    """What the renderer reads: the stage, the workload's shape, and the work done (for GB/s or FLOP/s)."""
+def record(
+    benchmark: Any,
+    stage: str,
+    workload: Workload,
+    provider: str,
+    *,
+    nbytes: int = 0,
+    flops: int = 0,
+    what: str = "",
+    reference: str | None = None,
+) -> None:
+    """What the renderer reads: the stage, the workload's shape, and the work done (for GB/s or FLOP/s).
+
+    A stage the renderer (slotmap/bench/page.py) does not list is shown with `what` as its description and
+    its ratios divided by `reference`'s median, so a new stage needs no change there.
+    """
     benchmark.group = f"{stage}/{workload.name}"
     benchmark.extra_info.update(
         stage=stage,
@@ -28,6 +42,10 @@ def record(benchmark: Any, stage: str, workload: Workload, provider: str, *, nby
         bytes=int(nbytes),
         flops=int(flops),
     )
+    if what:
+        benchmark.extra_info["what"] = what
+    if reference is not None:
+        benchmark.extra_info["reference"] = reference
 
 
 def run_stateful(
