@@ -105,7 +105,7 @@ def test_slot_mapping(benchmark: Any, workload: Workload, provider_name: str) ->
     """Group 0's slot mapping from the persistent block table, given token rows and positions."""
     provider = providers.get(provider_name)
     pool, sched, _ = reference(workload)
-    _, index_mapping, num_scheduled = batch_order(sched, pool.state.row_of)
+    _, index_mapping, num_scheduled = batch_order(list(sched.num_scheduled_tokens.items()), pool.state.row_of)
     flat = flatten(
         index_mapping, num_scheduled, pool.state.num_computed_tokens, pool.token_ids, sched.total_num_scheduled_tokens
     )

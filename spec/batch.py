@@ -7,16 +7,18 @@ becomes batch row 0 and A (8 tokens) batch row 1, which is what query_start_loc 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from spec.types import INDEX_DTYPE, SchedulerOutput
+from spec.types import INDEX_DTYPE
 
 
-def batch_order(sched: SchedulerOutput, row_of: Mapping[str, int]) -> tuple[tuple[str, ...], np.ndarray, np.ndarray]:
+def batch_order(
+    scheduled: Sequence[tuple[str, int]],  # (req_id, num_scheduled_tokens) in the scheduler's order
+    row_of: Mapping[str, int],  # req_id -> req_state_idx
+) -> tuple[tuple[str, ...], np.ndarray, np.ndarray]:
     """Returns (req_ids [num_reqs], index_mapping [num_reqs], num_scheduled_tokens [num_reqs])."""
-    scheduled = list(sched.num_scheduled_tokens.items())
     order = sorted(range(len(scheduled)), key=lambda i: scheduled[i][1])  # sorted() is stable
     req_ids = tuple(scheduled[i][0] for i in order)
     index_mapping = np.array([row_of[r] for r in req_ids], INDEX_DTYPE)  # batch_idx -> req_state_idx

@@ -29,6 +29,8 @@ class StepPlan:
     new_rows: list[int] = field(default_factory=list)  # parallel to sched.new_requests
     table_updates: list[TableUpdate] = field(default_factory=list)
     num_computed_tokens: dict[int, int] = field(default_factory=dict)  # row -> value after the step
+    prompts: list[np.ndarray] = field(default_factory=list)  # parallel to new_rows: validated prompt token ids
+    scheduled: list[tuple[str, int]] = field(default_factory=list)  # (req_id, num_scheduled), scheduler order
 
 
 class PoolState:

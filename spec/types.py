@@ -7,9 +7,11 @@ the shapes and integer dtypes below are part of the contract and identical in bo
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
+
+import numpy as np
 
 PAD_SLOT_ID = -1  # slot of a padding token: write_kv skips it
 NULL_BLOCK_ID = 0  # block 0 of every group never holds real KV
@@ -19,6 +21,22 @@ INDEX_DTYPE = "int32"  # index_mapping, num_scheduled_tokens, query_start_loc, s
 BLOCK_ID_DTYPE = "int32"  # block tables: block ids are < num_blocks < 2**31
 TOKEN_DTYPE = "int64"  # positions, input_ids
 SLOT_DTYPE = "int64"  # slot mappings: num_blocks * block_size may exceed 2**31
+# The pool's stored token ids, as vLLM's token_ids_cpu: half the bytes of int64, so a step's reads stay in
+# cache. WorkerConfig.vocab_size <= MAX_VOCAB_SIZE guarantees every valid id fits.
+TOKEN_STORAGE_DTYPE = "int32"
+MAX_VOCAB_SIZE = 2**31
+
+
+def is_integral(value: object) -> bool:
+    """An integer of any integer type (Python or NumPy), but not a bool: the input policy for counts and sizes."""
+    return isinstance(value, int | np.integer) and not isinstance(value, bool | np.bool_)
+
+
+def _require_ints(obj: object, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if not is_integral(value):
+            raise ValueError(f"{type(obj).__name__}.{name} must be an integer, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -28,6 +46,9 @@ class KVCacheGroup:
     sliding_window: int | None = None  # a query at position p sees keys at positions > p - window
 
     def __post_init__(self) -> None:
+        _require_ints(self, "block_size", "num_blocks")
+        if self.sliding_window is not None:
+            _require_ints(self, "sliding_window")
         if self.block_size < 1 or self.num_blocks < 2:
             raise ValueError(f"KVCacheGroup needs block_size >= 1 and num_blocks >= 2, got {self}")
         if self.sliding_window is not None and self.sliding_window < 1:
@@ -46,10 +67,15 @@ class WorkerConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv_groups", tuple(self.kv_groups))
+        _require_ints(self, "max_num_reqs", "max_model_len", "max_num_batched_tokens", "vocab_size")
+        if not all(isinstance(g, KVCacheGroup) for g in self.kv_groups):
+            raise ValueError(f"WorkerConfig.kv_groups must hold KVCacheGroup objects, got {self.kv_groups!r}")
         if min(self.max_num_reqs, self.max_model_len, self.max_num_batched_tokens) < 1:
             raise ValueError(f"WorkerConfig sizes must be >= 1, got {self}")
         if self.vocab_size < 1 or not self.kv_groups:
             raise ValueError("WorkerConfig needs vocab_size >= 1 and at least one KV group")
+        if self.vocab_size > MAX_VOCAB_SIZE:  # stored token ids are int32 (TOKEN_STORAGE_DTYPE)
+            raise ValueError(f"WorkerConfig.vocab_size must be <= 2**31 (int32 token ids), got {self.vocab_size}")
 
     def max_blocks_per_req(self, group: int) -> int:
         return math.ceil(self.max_model_len / self.kv_groups[group].block_size)
@@ -71,10 +97,54 @@ class CachedRequest:
     resumed: bool = False  # back from preemption: new_block_ids replace the whole table
 
 
+@dataclass(frozen=True, eq=False)
+class CachedRequestColumns(Sequence[CachedRequest]):
+    """`SchedulerOutput.cached_requests` in columns, as vLLM's CachedRequestData: entry i of each is request i's.
+
+    A sequence of CachedRequest to everything that iterates it (spec reads it that way), while a backend
+    may read the columns directly: a scheduler that already holds its decisions as lists pays for no
+    per-request objects, and the backend for no attribute walks.
+    """
+
+    req_ids: Sequence[str]  # [n]
+    num_computed_tokens: Sequence[int]  # [n] authoritative: the scheduler's counts (a list, or an int array)
+    new_block_ids: Sequence[tuple[tuple[int, ...], ...] | None] | None = None  # [n] per request; None: none at all
+    resumed_req_ids: frozenset[str] = frozenset()  # requests back from preemption: their new ids replace the table
+
+    def __len__(self) -> int:
+        return len(self.req_ids)
+
+    @overload
+    def __getitem__(self, index: int) -> CachedRequest: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> tuple[CachedRequest, ...]: ...
+
+    def __getitem__(self, index: int | slice) -> CachedRequest | tuple[CachedRequest, ...]:
+        if isinstance(index, slice):
+            return tuple(self[i] for i in range(*index.indices(len(self))))
+        req_id = self.req_ids[index]
+        blocks = None if self.new_block_ids is None else self.new_block_ids[index]
+        computed = self.num_computed_tokens[index]
+        if isinstance(computed, np.integer):
+            computed = int(computed)
+        return CachedRequest(req_id, computed, blocks, req_id in self.resumed_req_ids)
+
+    def __iter__(self) -> Iterator[CachedRequest]:
+        return (self[i] for i in range(len(self)))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, CachedRequestColumns | tuple | list):
+            return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+
 @dataclass(frozen=True)
 class SchedulerOutput:
     new_requests: tuple[NewRequest, ...] = ()
-    cached_requests: tuple[CachedRequest, ...] = ()
+    cached_requests: tuple[CachedRequest, ...] | CachedRequestColumns = ()
     # req_id -> tokens this step; its order is the tie-break of the batch sort
     num_scheduled_tokens: Mapping[str, int] = field(default_factory=dict)
     finished_req_ids: frozenset[str] = frozenset()

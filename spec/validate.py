@@ -3,7 +3,7 @@
 Checks run in the order below, each over the whole output; the first failing one raises. Every
 backend must use the same order, so that an output with several faults raises the same class.
 
- 1. InconsistentSchedulerOutputError  self-contradictions (no pool state needed)
+ 1. InconsistentSchedulerOutputError  malformed (a field of the wrong type) or self-contradictory output
  2. UnknownRequestError               finished or cached request without a row
  3. DuplicateRequestError             new request whose req_id holds a row
  4. PoolFullError                     more live requests than rows
@@ -16,10 +16,16 @@ backend must use the same order, so that an output with several faults raises th
 11. MissingBlockError                 a scheduled token past the last block
 12. NullBlockError                    a token writes to or attends through the null block
 13. DuplicateSlotError                two tokens of the step write one slot
+
+What each field accepts (the input policy, docs/semantics.md): req ids are `str`; counts are integers of
+any integer type but not bools; ids (prompt tokens, block ids) are whatever `np.asarray` turns into a
+1-D integer array; `new_requests` and `cached_requests` are tuples or lists (or a CachedRequestColumns),
+`num_scheduled_tokens` a mapping, `finished_req_ids` a set, frozenset, tuple or list of distinct ids.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,7 +46,18 @@ from spec.errors import (
     UnknownTokenError,
 )
 from spec.state import PoolState, StepPlan, TableUpdate
-from spec.types import NULL_BLOCK_ID, CachedRequest, NewRequest, SchedulerOutput
+from spec.types import (
+    NULL_BLOCK_ID,
+    TOKEN_STORAGE_DTYPE,
+    CachedRequest,
+    CachedRequestColumns,
+    NewRequest,
+    SchedulerOutput,
+    is_integral,
+)
+
+_SEQUENCES = (tuple, list)
+_ID_SETS = (frozenset, set, tuple, list)
 
 
 @dataclass
@@ -51,7 +68,8 @@ class _Scheduled:
     known_tokens: int
     num_computed: int
     num_scheduled: int
-    tables: list[np.ndarray]  # per group: the whole table after the step
+    tables: list[np.ndarray]  # per group: the whole table after the step (empty where `malformed`)
+    malformed: list[int]  # groups whose given ids are not integers (check 9 rejects them)
 
 
 def plan_step(state: PoolState, sched: SchedulerOutput) -> StepPlan:
@@ -84,9 +102,13 @@ def plan_step(state: PoolState, sched: SchedulerOutput) -> StepPlan:
                 req_id, "num_scheduled_tokens", f"step total {total} > {config.max_num_batched_tokens}"
             )
     for new in sched.new_requests:
-        bad = [t for t in new.prompt_token_ids if not 0 <= t < config.vocab_size]
-        if bad:
+        tokens = as_ids(new.prompt_token_ids)
+        if tokens is None:
+            raise TokenIdError(new.req_id, "prompt_token_ids", "not a flat sequence of integer ids")
+        bad = tokens[(tokens < 0) | (tokens >= config.vocab_size)]
+        if bad.size:
             raise TokenIdError(new.req_id, "prompt_token_ids", f"{bad[0]} not in [0, {config.vocab_size})")
+        plan.prompts.append(tokens.astype(TOKEN_STORAGE_DTYPE))  # the copy commit stores: later edits can't reach it
 
     scheduled = _scheduled_requests(state, sched, plan)
     for new in sched.new_requests:
@@ -110,9 +132,10 @@ def plan_step(state: PoolState, sched: SchedulerOutput) -> StepPlan:
                 check(state, s, g)
     _check_unique_slots(state, scheduled)
 
+    plan.scheduled = list(sched.num_scheduled_tokens.items())  # what prepare reads: frozen here
     for s, update_row in zip(scheduled, _rows(state, sched, plan), strict=True):
-        plan.num_computed_tokens[update_row] = s.num_computed
-    plan.table_updates = _table_updates(state, sched, plan)
+        plan.num_computed_tokens[update_row] = int(s.num_computed)
+    plan.table_updates = _table_updates(state, sched, plan, scheduled)
     return plan
 
 
@@ -120,9 +143,12 @@ def _check_consistency(sched: SchedulerOutput, num_groups: int) -> None:
     def fail(req_id: str | None, field: str, detail: str) -> None:
         raise InconsistentSchedulerOutputError(req_id, field, detail)
 
+    _check_containers(sched)
     seen: set[str] = set()
     requests: tuple[NewRequest | CachedRequest, ...] = (*sched.new_requests, *sched.cached_requests)
     for req in requests:
+        if not isinstance(req.req_id, str):
+            fail(None, "req_id", f"{req.req_id!r} is not a str")
         if req.req_id in seen:
             fail(req.req_id, "new_requests/cached_requests", "listed twice")
         seen.add(req.req_id)
@@ -130,19 +156,84 @@ def _check_consistency(sched: SchedulerOutput, num_groups: int) -> None:
             fail(req.req_id, "finished_req_ids", "finished and scheduled in the same step")
         if req.req_id not in sched.num_scheduled_tokens:
             fail(req.req_id, "num_scheduled_tokens", "listed but not scheduled")
-        if req.num_computed_tokens < 0:
-            fail(req.req_id, "num_computed_tokens", f"{req.num_computed_tokens} < 0")
+        if not is_integral(req.num_computed_tokens) or req.num_computed_tokens < 0:
+            fail(req.req_id, "num_computed_tokens", f"{req.num_computed_tokens!r}: needs an integer >= 0")
     for req_id, n in sched.num_scheduled_tokens.items():
+        if not isinstance(req_id, str):
+            fail(None, "num_scheduled_tokens", f"key {req_id!r} is not a str")
         if req_id not in seen:
             fail(req_id, "num_scheduled_tokens", "scheduled but neither new nor cached")
-        if not isinstance(n, int | np.integer) or n < 1:
-            fail(req_id, "num_scheduled_tokens", f"{n!r}: every scheduled request needs >= 1 token")
+        if not is_integral(n) or n < 1:
+            fail(req_id, "num_scheduled_tokens", f"{n!r}: every scheduled request needs an integer >= 1")
     for new in sched.new_requests:
-        if len(new.block_ids) != num_groups:
-            fail(new.req_id, "block_ids", f"{len(new.block_ids)} groups, config has {num_groups}")
+        if not isinstance(new.block_ids, _SEQUENCES) or len(new.block_ids) != num_groups:
+            fail(new.req_id, "block_ids", f"{_describe_groups(new.block_ids)}, config has {num_groups}")
+        if isinstance(new.prompt_token_ids, str | bytes | Mapping) or not hasattr(new.prompt_token_ids, "__len__"):
+            fail(new.req_id, "prompt_token_ids", f"{type(new.prompt_token_ids).__name__} is not a sequence of ids")
     for cached in sched.cached_requests:
-        if cached.new_block_ids is not None and len(cached.new_block_ids) != num_groups:
-            fail(cached.req_id, "new_block_ids", f"{len(cached.new_block_ids)} groups, config has {num_groups}")
+        if not isinstance(cached.resumed, bool):
+            fail(cached.req_id, "resumed", f"{cached.resumed!r} is not a bool")
+        blocks = cached.new_block_ids
+        if blocks is not None and (not isinstance(blocks, _SEQUENCES) or len(blocks) != num_groups):
+            fail(cached.req_id, "new_block_ids", f"{_describe_groups(blocks)}, config has {num_groups}")
+
+
+def _check_containers(sched: SchedulerOutput) -> None:
+    """The output's own fields: each of the type the policy names, so nothing below is read twice differently."""
+
+    def fail(req_id: str | None, field: str, detail: str) -> None:
+        raise InconsistentSchedulerOutputError(req_id, field, detail)
+
+    if not isinstance(sched.new_requests, _SEQUENCES):
+        fail(None, "new_requests", f"{type(sched.new_requests).__name__}: needs a tuple or list")
+    if not isinstance(sched.cached_requests, (*_SEQUENCES, CachedRequestColumns)):
+        fail(None, "cached_requests", f"{type(sched.cached_requests).__name__}: needs a tuple, list or columns")
+    if not isinstance(sched.num_scheduled_tokens, Mapping):
+        fail(None, "num_scheduled_tokens", f"{type(sched.num_scheduled_tokens).__name__}: needs a mapping")
+    if not isinstance(sched.finished_req_ids, _ID_SETS):
+        fail(None, "finished_req_ids", f"{type(sched.finished_req_ids).__name__}: needs a set, tuple or list")
+    if any(not isinstance(r, NewRequest) for r in sched.new_requests):
+        fail(None, "new_requests", "holds something that is not a NewRequest")
+    cached = sched.cached_requests
+    if isinstance(cached, CachedRequestColumns):
+        n = len(cached.req_ids)
+        columns = {"num_computed_tokens": cached.num_computed_tokens, "new_block_ids": cached.new_block_ids}
+        for name, column in columns.items():
+            if column is not None and (not hasattr(column, "__len__") or len(column) != n):
+                fail(None, f"cached_requests.{name}", f"needs {n} entries, one per req_id")
+        if not isinstance(cached.resumed_req_ids, frozenset | set):
+            fail(None, "cached_requests.resumed_req_ids", "needs a set")
+        unknown = sorted(map(repr, set(cached.resumed_req_ids) - set(cached.req_ids)))
+        if unknown:
+            fail(None, "cached_requests.resumed_req_ids", f"{unknown[0]} is not among the cached req_ids")
+    elif any(not isinstance(r, CachedRequest) for r in cached):
+        fail(None, "cached_requests", "holds something that is not a CachedRequest")
+    finished = list(sched.finished_req_ids)
+    for req_id in finished:
+        if not isinstance(req_id, str):
+            fail(None, "finished_req_ids", f"{req_id!r} is not a str")
+    if len(set(finished)) != len(finished):
+        repeated = next(r for r in finished if finished.count(r) > 1)
+        fail(repeated, "finished_req_ids", "listed twice")
+
+
+def _describe_groups(value: object) -> str:
+    if isinstance(value, _SEQUENCES):
+        return f"{len(value)} groups"
+    return f"{type(value).__name__} instead of a tuple of per-group ids"
+
+
+def as_ids(values: object) -> np.ndarray | None:
+    """Ids as NumPy reads them: a 1-D integer array (an empty sequence is an empty one), or None if they are not."""
+    try:
+        ids = np.asarray(values)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    if ids.ndim != 1:
+        return None
+    if ids.size == 0:
+        return np.zeros(0, np.int64)
+    return ids if ids.dtype.kind in "iu" else None
 
 
 def _rows(state: PoolState, sched: SchedulerOutput, plan: StepPlan) -> list[int]:
@@ -153,7 +244,7 @@ def _rows(state: PoolState, sched: SchedulerOutput, plan: StepPlan) -> list[int]
 def _scheduled_requests(state: PoolState, sched: SchedulerOutput, plan: StepPlan) -> list[_Scheduled]:
     out = []
     for new in sched.new_requests:
-        tables = [np.asarray(ids, np.int64) for ids in new.block_ids]
+        tables, malformed = _tables([], new.block_ids)
         out.append(
             _Scheduled(
                 new.req_id,
@@ -161,32 +252,50 @@ def _scheduled_requests(state: PoolState, sched: SchedulerOutput, plan: StepPlan
                 new.num_computed_tokens,
                 sched.num_scheduled_tokens[new.req_id],
                 tables,
+                malformed,
             )
         )
     for cached in sched.cached_requests:
         row = state.row_of[cached.req_id]
         groups = range(len(state.config.kv_groups))
-        added = cached.new_block_ids or tuple(() for _ in groups)
-        tables = [
-            np.concatenate([[] if cached.resumed else state.blocks(row, g), added[g]]).astype(np.int64)
-            for g in groups
-        ]
+        kept = [np.zeros(0, np.int64) if cached.resumed else state.blocks(row, g) for g in groups]
+        tables, malformed = _tables(kept, cached.new_block_ids or tuple(() for _ in groups))
         known = int(state.num_tokens[row])
         out.append(
             _Scheduled(
-                cached.req_id, known, cached.num_computed_tokens, sched.num_scheduled_tokens[cached.req_id], tables
+                cached.req_id,
+                known,
+                cached.num_computed_tokens,
+                sched.num_scheduled_tokens[cached.req_id],
+                tables,
+                malformed,
             )
         )
     return out
 
 
+def _tables(kept: list[np.ndarray], given: tuple[tuple[int, ...], ...]) -> tuple[list[np.ndarray], list[int]]:
+    """Per group: kept entries followed by the given ids, and the groups whose given ids are not integers."""
+    tables, malformed = [], []
+    for g, ids in enumerate(given):
+        added = as_ids(ids)
+        if added is None:
+            malformed.append(g)
+            added = np.zeros(0, np.int64)
+        before = kept[g] if kept else np.zeros(0, np.int64)
+        tables.append(np.concatenate([before.astype(np.int64), added.astype(np.int64)]))
+    return tables, malformed
+
+
 def _check_block_ids(state: PoolState, s: _Scheduled, g: int) -> None:
     group, table = state.config.kv_groups[g], s.tables[g]
+    if g in s.malformed:
+        raise BlockIdError(s.req_id, f"block_ids[{g}]", "not a flat sequence of integer block ids")
     bad = table[(table < 0) | (table >= group.num_blocks)]
     if bad.size:
         raise BlockIdError(s.req_id, f"block_ids[{g}]", f"{bad[0]} not in [0, {group.num_blocks})")
-    real = table[table != NULL_BLOCK_ID]
-    if real.size != np.unique(real).size:
+    real = np.sort(table[table != NULL_BLOCK_ID])
+    if (real[1:] == real[:-1]).any():  # sorted, a repeated id sits next to itself
         raise BlockIdError(s.req_id, f"block_ids[{g}]", "a block appears twice in one table")
     if group.sliding_window is None and real.size != table.size:
         raise BlockIdError(s.req_id, f"block_ids[{g}]", "null block in a group without a sliding window")
@@ -219,26 +328,33 @@ def _check_null_reads(state: PoolState, s: _Scheduled, g: int) -> None:
 
 def _check_unique_slots(state: PoolState, scheduled: list[_Scheduled]) -> None:
     for g, group in enumerate(state.config.kv_groups):
-        owner: dict[int, str] = {}
-        for s in scheduled:
-            positions = np.arange(s.num_computed, s.num_computed + s.num_scheduled)
-            slots = s.tables[g][positions // group.block_size] * group.block_size + positions % group.block_size
-            for slot in slots.tolist():
-                if slot in owner:
-                    detail = f"slot {slot} also written by {owner[slot]!r}"
-                    raise DuplicateSlotError(s.req_id, f"block_ids[{g}]", detail)
-                owner[slot] = s.req_id
+        written = [_written_slots(s, g, group.block_size) for s in scheduled]  # per request, its tokens' slots
+        slots = np.concatenate(written) if written else np.zeros(0, np.int64)  # [num_tokens] in step order
+        writer = np.repeat(np.arange(len(scheduled)), [w.size for w in written])  # [num_tokens] request index
+        order = np.argsort(slots, kind="stable")  # equal slots end up adjacent, earlier tokens first
+        again = order[1:][slots[order[1:]] == slots[order[:-1]]]  # tokens writing a slot an earlier token wrote
+        if again.size:
+            token = int(again.min())  # the first such token in step order
+            first = int(np.flatnonzero(slots == slots[token])[0])
+            detail = f"slot {slots[token]} also written by {scheduled[writer[first]].req_id!r}"
+            raise DuplicateSlotError(scheduled[writer[token]].req_id, f"block_ids[{g}]", detail)
 
 
-def _table_updates(state: PoolState, sched: SchedulerOutput, plan: StepPlan) -> list[TableUpdate]:
+def _written_slots(s: _Scheduled, g: int, block_size: int) -> np.ndarray:
+    positions = np.arange(s.num_computed, s.num_computed + s.num_scheduled)
+    return s.tables[g][positions // block_size] * block_size + positions % block_size
+
+
+def _table_updates(
+    state: PoolState, sched: SchedulerOutput, plan: StepPlan, scheduled: list[_Scheduled]
+) -> list[TableUpdate]:
+    """From the validated tables: new and resumed requests replace theirs, the others append what they add."""
     updates = []
-    for new, row in zip(sched.new_requests, plan.new_rows, strict=True):
-        updates += [TableUpdate(row, g, tuple(ids), True) for g, ids in enumerate(new.block_ids)]
-    for cached in sched.cached_requests:
-        row = state.row_of[cached.req_id]
-        if cached.resumed or cached.new_block_ids:
-            groups = cached.new_block_ids or tuple(() for _ in state.config.kv_groups)
-            updates += [
-                TableUpdate(row, g, tuple(ids), cached.resumed) for g, ids in enumerate(groups) if ids or cached.resumed
-            ]
+    resumed = [c.resumed for c in sched.cached_requests]
+    replaces = [True] * len(sched.new_requests) + resumed
+    for s, row, replace in zip(scheduled, _rows(state, sched, plan), replaces, strict=True):
+        for g, table in enumerate(s.tables):
+            added = table if replace else table[state.num_blocks[g, row] :]
+            if replace or added.size:
+                updates.append(TableUpdate(row, g, tuple(added.tolist()), replace))
     return updates
