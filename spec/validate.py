@@ -18,13 +18,14 @@ backend must use the same order, so that an output with several faults raises th
 13. DuplicateSlotError                two tokens of the step write one slot
 
 What each field accepts (the input policy, docs/semantics.md): req ids are `str`; counts are integers of
-any integer type but not bools; ids (prompt tokens, block ids) are whatever `np.asarray` turns into a
-1-D integer array; `new_requests` and `cached_requests` are tuples or lists (or a CachedRequestColumns),
+any integer type but not bools; ids (prompt tokens, block ids) are tuples or lists of integers (`operator.index`)
+or 1-D integer arrays; `new_requests` and `cached_requests` are tuples or lists (or a CachedRequestColumns),
 `num_scheduled_tokens` a mapping, `finished_req_ids` a set, frozenset, tuple or list of distinct ids.
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -104,7 +105,7 @@ def plan_step(state: PoolState, sched: SchedulerOutput) -> StepPlan:
     for new in sched.new_requests:
         tokens = as_ids(new.prompt_token_ids)
         if tokens is None:
-            raise TokenIdError(new.req_id, "prompt_token_ids", "not a flat sequence of integer ids")
+            raise TokenIdError(new.req_id, "prompt_token_ids", "not a tuple, list or 1-D array of integer ids")
         bad = tokens[(tokens < 0) | (tokens >= config.vocab_size)]
         if bad.size:
             raise TokenIdError(new.req_id, "prompt_token_ids", f"{bad[0]} not in [0, {config.vocab_size})")
@@ -168,8 +169,6 @@ def _check_consistency(sched: SchedulerOutput, num_groups: int) -> None:
     for new in sched.new_requests:
         if not isinstance(new.block_ids, _SEQUENCES) or len(new.block_ids) != num_groups:
             fail(new.req_id, "block_ids", f"{_describe_groups(new.block_ids)}, config has {num_groups}")
-        if isinstance(new.prompt_token_ids, str | bytes | Mapping) or not hasattr(new.prompt_token_ids, "__len__"):
-            fail(new.req_id, "prompt_token_ids", f"{type(new.prompt_token_ids).__name__} is not a sequence of ids")
     for cached in sched.cached_requests:
         if not isinstance(cached.resumed, bool):
             fail(cached.req_id, "resumed", f"{cached.resumed!r} is not a bool")
@@ -224,16 +223,21 @@ def _describe_groups(value: object) -> str:
 
 
 def as_ids(values: object) -> np.ndarray | None:
-    """Ids as NumPy reads them: a 1-D integer array (an empty sequence is an empty one), or None if they are not."""
+    """Ids as a 1-D integer array, or None if they are not ids.
+
+    Accepted: a tuple or list whose every element is an integer as Python's `operator.index` reads it (int,
+    bool, NumPy integer; never a float), or a 1-D NumPy array of an integer dtype. Values past int64 are
+    not ids (no vocabulary or cache is that large).
+    """
+    if isinstance(values, np.ndarray):
+        ok = values.ndim == 1 and (values.size == 0 or values.dtype.kind in "iu")
+        return values if ok else None
+    if not isinstance(values, _SEQUENCES):
+        return None
     try:
-        ids = np.asarray(values)
-    except (TypeError, ValueError, OverflowError):
+        return np.array([operator.index(v) for v in values], np.int64)
+    except (TypeError, OverflowError):
         return None
-    if ids.ndim != 1:
-        return None
-    if ids.size == 0:
-        return np.zeros(0, np.int64)
-    return ids if ids.dtype.kind in "iu" else None
 
 
 def _rows(state: PoolState, sched: SchedulerOutput, plan: StepPlan) -> list[int]:
@@ -290,7 +294,7 @@ def _tables(kept: list[np.ndarray], given: tuple[tuple[int, ...], ...]) -> tuple
 def _check_block_ids(state: PoolState, s: _Scheduled, g: int) -> None:
     group, table = state.config.kv_groups[g], s.tables[g]
     if g in s.malformed:
-        raise BlockIdError(s.req_id, f"block_ids[{g}]", "not a flat sequence of integer block ids")
+        raise BlockIdError(s.req_id, f"block_ids[{g}]", "not a tuple, list or 1-D array of integer ids")
     bad = table[(table < 0) | (table >= group.num_blocks)]
     if bad.size:
         raise BlockIdError(s.req_id, f"block_ids[{g}]", f"{bad[0]} not in [0, {group.num_blocks})")
