@@ -5,6 +5,12 @@ output and pool state offer no way to produce `cls` (e.g. NullBlockError without
 Each mutation leaves every check that validation runs before `cls` passing (spec/validate.py's order),
 so the expected class is derived from the mutation, not from running a backend.
 `snapshot` is the pool before the output (spec's `snapshot()`), `out` is valid for it.
+
+Besides the faults of values (an id out of range, a count too large), each class's breaker also makes
+the faults of types its check owns: check 1 refuses malformed fields, wrong containers and ids listed
+twice (conformance.malformed), check 6 float or non-sequence prompt ids, check 9 float block ids and a
+block listed twice in one table. `MALFORMATIONS` names every type- and container-level fault with the
+class it provokes, so each can be driven on its own (`malformation_breaker`).
 """
 
 from __future__ import annotations
@@ -13,7 +19,11 @@ import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
+import numpy as np
+
+from conformance.malformed import CHECK_ONE, edit
 from spec.errors import (
     ALL_ERRORS,
     BlockIdError,
@@ -161,6 +171,11 @@ def _inconsistent(ctx: _Ctx) -> SchedulerOutput | None:
         options.append(lambda: _replace_new(out, new.req_id, block_ids=(*new.block_ids, ())))
     if out.cached_requests:
         options.append(lambda: replace(out, cached_requests=(*out.cached_requests, out.cached_requests[0])))
+    if ctx.rng.random() < 0.5:  # a malformed field, container or repeated id instead of a contradiction
+        for name in ctx.rng.sample(sorted(CHECK_ONE), len(CHECK_ONE)):
+            broken = CHECK_ONE[name](out, list(ctx.rows), ctx.rng)
+            if broken is not None:
+                return broken
     return ctx.rng.choice(options)()
 
 
@@ -219,7 +234,9 @@ def _token_budget(ctx: _Ctx) -> SchedulerOutput | None:
 
 def _token_id(ctx: _Ctx) -> SchedulerOutput | None:
     out, vocab = ctx.out, ctx.config.vocab_size
-    bad = ctx.rng.choice((vocab, vocab + 7, -1))
+    if out.new_requests and ctx.rng.random() < 0.4:
+        return _malformed_prompt(ctx)
+    bad = ctx.rng.choice((vocab, vocab + 7, -1, 2**63, 2**64))
     if out.new_requests:
         new = ctx.rng.choice(out.new_requests)
         prompt = list(new.prompt_token_ids)
@@ -228,6 +245,27 @@ def _token_id(ctx: _Ctx) -> SchedulerOutput | None:
     if ctx.free_rows_after() > 0 and out.total_num_scheduled_tokens < ctx.config.max_num_batched_tokens:
         return _add_new(out, NewRequest(ctx.fresh_id("bad"), (bad,), _empty_tables(ctx)), 1)
     return None
+
+
+def _malformed_prompt(ctx: _Ctx) -> SchedulerOutput | None:
+    """A prompt that is not integer ids: a float among them (whole or not), all floats, or not a list at all."""
+    if not ctx.out.new_requests:
+        return None
+    new = ctx.rng.choice(ctx.out.new_requests)
+    prompt: list[Any] = list(new.prompt_token_ids)
+    i = ctx.rng.randrange(len(prompt))
+    disguises: list[Callable[[], object]] = [
+        lambda: (*prompt[:i], float(prompt[i]), *prompt[i + 1 :]),  # 3.0: floats are never ids
+        lambda: (*prompt[:i], prompt[i] + 0.5, *prompt[i + 1 :]),
+        lambda: np.asarray(prompt, np.float64),
+        lambda: np.asarray([prompt]),  # 2-D
+        lambda: (*prompt[:i], str(prompt[i]), *prompt[i + 1 :]),
+        lambda: (*prompt[:i], None, *prompt[i + 1 :]),
+        lambda: (t for t in prompt),  # a generator: read once, so never ids
+        lambda: "".join(map(chr, (65 + t % 26 for t in prompt))),  # a str of the same length
+    ]
+    news = tuple(edit(r, prompt_token_ids=ctx.rng.choice(disguises)()) if r is new else r for r in ctx.out.new_requests)
+    return replace(ctx.out, new_requests=news)
 
 
 def _model_length(ctx: _Ctx) -> SchedulerOutput | None:
@@ -255,13 +293,62 @@ def _block_id(ctx: _Ctx) -> SchedulerOutput | None:
     g = ctx.rng.randrange(ctx.num_groups)
     group, table = ctx.config.kv_groups[g], list(r.tables[g])
     real = [b for b in table if b != NULL_BLOCK_ID]
-    options = [group.num_blocks, group.num_blocks + 3, -1]  # out of range
+    if ctx.rng.random() < 0.3:
+        broken = _malformed_block_id(ctx) or _repeated_block_appended(ctx)
+        if broken is not None:
+            return broken
+    options: list[Any] = [group.num_blocks, group.num_blocks + 3, -1, 2**63]  # out of range
     if real:
         options.append(ctx.rng.choice(real))  # repeated in one table
     if group.sliding_window is None:
         options.append(NULL_BLOCK_ID)  # the null block where no window allows it
     table.insert(ctx.rng.randint(0, len(table)), ctx.rng.choice(options))
     return _with_tables(ctx.out, r.req_id, [table if i == g else t for i, t in enumerate(r.tables)])
+
+
+def _malformed_block_id(ctx: _Ctx) -> SchedulerOutput | None:
+    """One entry of a table as a float (whole or not), or a table that is not a list of integers."""
+    holding = [(r, g) for r in ctx.reqs for g in range(ctx.num_groups) if r.tables[g]]
+    if not holding:
+        return None
+    r, g = ctx.rng.choice(holding)
+    table: list[Any] = list(r.tables[g])
+    i = ctx.rng.randrange(len(table))
+    disguise = ctx.rng.choice(
+        (
+            lambda: [*table[:i], float(table[i]), *table[i + 1 :]],
+            lambda: [*table[:i], table[i] + 0.7, *table[i + 1 :]],
+            lambda: np.asarray(table, np.float32),
+            lambda: np.asarray([table]),  # 2-D
+            lambda: (b for b in table),
+            lambda: {b: None for b in table},
+        )
+    )()
+    tables = tuple(disguise if h == g else tuple(t) for h, t in enumerate(r.tables))
+    news = tuple(edit(x, block_ids=tables) if x.req_id == r.req_id else x for x in ctx.out.new_requests)
+    cached = tuple(
+        edit(x, new_block_ids=tables, resumed=True) if x.req_id == r.req_id else x for x in ctx.out.cached_requests
+    )
+    return replace(ctx.out, new_requests=news, cached_requests=cached)
+
+
+def _repeated_block_appended(ctx: _Ctx) -> SchedulerOutput | None:
+    """A continuing request is given again, as a new block, one that its table already holds."""
+    options = [
+        (c, g, b)
+        for c in ctx.out.cached_requests
+        if not c.resumed
+        for g in range(ctx.num_groups)
+        for b in ctx.rows[c.req_id].block_ids[g]
+        if b != NULL_BLOCK_ID
+    ]
+    if not options:
+        return None
+    cached, g, block = ctx.rng.choice(options)
+    added = [list(ids) for ids in (cached.new_block_ids or _empty_tables(ctx))]
+    added[g].insert(ctx.rng.randint(0, len(added[g])), block)
+    changed = replace(cached, new_block_ids=tuple(tuple(ids) for ids in added))
+    return replace(ctx.out, cached_requests=tuple(changed if c is cached else c for c in ctx.out.cached_requests))
 
 
 def _table_overflow(ctx: _Ctx) -> SchedulerOutput | None:
@@ -360,6 +447,45 @@ BREAKERS: dict[type[ScheduleError], Callable[[_Ctx], SchedulerOutput | None]] = 
     DuplicateSlotError: _duplicate_slot,
 }
 assert set(BREAKERS) == set(ALL_ERRORS), "every error class needs a way to provoke it"
+
+
+def _check_one(name: str) -> Callable[[_Ctx], SchedulerOutput | None]:
+    return lambda ctx: CHECK_ONE[name](ctx.out, list(ctx.rows), ctx.rng)
+
+
+def _repeated_block_in_table(ctx: _Ctx) -> SchedulerOutput | None:
+    holding = [(r, g) for r in ctx.reqs for g in range(ctx.num_groups) if any(b != NULL_BLOCK_ID for b in r.tables[g])]
+    if not holding:
+        return None
+    r, g = ctx.rng.choice(holding)
+    table = list(r.tables[g])
+    table.insert(ctx.rng.randint(0, len(table)), ctx.rng.choice([b for b in table if b != NULL_BLOCK_ID]))
+    return _with_tables(ctx.out, r.req_id, [table if i == g else t for i, t in enumerate(r.tables)])
+
+
+# every type- and container-level fault, and every way to list an id twice, with the class it provokes
+MALFORMATIONS: dict[str, tuple[type[ScheduleError], Callable[[_Ctx], SchedulerOutput | None]]] = {
+    **{name: (InconsistentSchedulerOutputError, _check_one(name)) for name in CHECK_ONE},
+    "prompt not integer ids": (TokenIdError, _malformed_prompt),
+    "block ids not integers": (BlockIdError, _malformed_block_id),
+    "repeated block in a table": (BlockIdError, _repeated_block_in_table),
+    "repeated block appended": (BlockIdError, _repeated_block_appended),
+}
+
+
+def malformation_breaker(
+    name: str, rng: random.Random
+) -> Callable[[SchedulerOutput, WorkerConfig, PoolSnapshot], tuple[SchedulerOutput, type[ScheduleError]] | None]:
+    """The malformation `name` of MALFORMATIONS as a `conformance.differential.Breaker`."""
+    cls, make = MALFORMATIONS[name]
+
+    def apply(
+        out: SchedulerOutput, config: WorkerConfig, snapshot: PoolSnapshot
+    ) -> tuple[SchedulerOutput, type[ScheduleError]] | None:
+        broken = make(_Ctx(out, config, snapshot, rng))
+        return None if broken is None else (broken, cls)
+
+    return apply
 
 
 def break_output(

@@ -3,7 +3,9 @@
 Each invalid output is a valid one from the reference scheduler, broken the way one error class
 names (conformance.mutations); the class a mutation provokes is known by construction, so the
 reference is held to it as well. After every rejection the valid output of that step is applied
-and compared as usual.
+and compared as usual. The breakers also malform types and containers and list ids twice
+(conformance.malformed, `MALFORMATIONS`), and conformance.probes tries stale batches and outputs
+mutated after apply between the calls of valid steps.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from hypothesis import strategies as st
 
 from conformance.backends import BackendHandle
 from conformance.differential import Breaker, DifferentialRun, MismatchError, budget_for, drive, one_torch_thread
-from conformance.mutations import breaker
+from conformance.mutations import MALFORMATIONS, breaker, malformation_breaker
+from conformance.probes import ProbedPool
 from conformance.scenario import Scenario, random_scenario
 from conformance.strategies import breakages, scenarios
 from spec.errors import ALL_ERRORS, ScheduleError
@@ -70,3 +73,50 @@ def test_every_error_class_is_provoked_and_survived(backend: BackendHandle, cls:
                 run.step()  # and the pool keeps working after the rejection
                 return
     pytest.fail(f"no scenario offered a way to provoke {cls.__name__}")
+
+
+@pytest.mark.parametrize("name", sorted(MALFORMATIONS))
+def test_every_malformation_is_provoked_and_survived(backend: BackendHandle, name: str) -> None:
+    """Each type-, container- or repeated-id fault, on some early step: both raise its class, then go on."""
+    cls = MALFORMATIONS[name][0]
+    for seed in range(50):
+        run = DifferentialRun(replace(random_scenario(seed), attention=None), backend)
+        rng = random.Random(seed)
+        for _ in range(6):
+            if run.done():
+                break
+            run.step(malformation_breaker(name, rng))
+            if run.rejected[cls.__name__]:
+                run.step()
+                return
+    pytest.fail(f"no scenario offered a way to make {name!r}")
+
+
+def test_stale_batches_and_mutated_outputs_change_nothing(backend: BackendHandle, conformance_scale: float) -> None:
+    """Between the calls of valid steps: an earlier or recorded batch is refused, a mutated output ignored."""
+    budget = budget_for(backend.name, settings().max_examples, conformance_scale / 8)
+    probed = {"mutated": 0, "stale": 0}
+
+    @settings(
+        max_examples=budget.examples,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+    @given(scenarios(max_requests=budget.max_requests, max_model_len=budget.max_model_len), st.randoms())
+    def check(scenario: Scenario, rng: random.Random) -> None:
+        run = DifferentialRun(replace(scenario, attention=None), backend)
+        pools = []
+        for side in (run.pair.ref, run.pair.cand):
+            side.pool = ProbedPool(side.pool, side.handle, rng)
+            pools.append(side.pool)
+        try:
+            drive(run, budget.max_steps // 2)
+        except MismatchError as exc:
+            note(exc.repro)
+            raise
+        for pool in pools:
+            for what, n in pool.counts.items():
+                probed[what] += n
+
+    check()
+    assert probed["mutated"] and probed["stale"], f"the probes never ran: {probed}"
