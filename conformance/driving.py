@@ -2,29 +2,57 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from conformance.backends import BackendHandle
 from spec.protocol import StatePool
-from spec.types import SchedulerOutput
+from spec.types import PLACEHOLDER_TOKEN_ID, BatchInputs, SchedulerOutput
 
 
 def step(
     backend: BackendHandle,
     pool: StatePool,
     sched: SchedulerOutput,
-    sampled: dict[str, int] | None = None,
+    sampled: Mapping[str, int | Sequence[int]] | None = None,
     pad_to: int | None = None,
 ) -> dict[str, Any]:
-    """apply + prepare (+ record_sampled with `sampled[req_id]`, default token 1); returns the batch as NumPy."""
+    """apply + prepare (+ record_sampled with `sampled[req_id]`, default token 1); returns the batch as NumPy.
+
+    A sequence for some request (its accepted tokens) makes the ids `[num_reqs, width]`, padded with -1.
+    """
     pool.apply(sched)
     batch = pool.prepare(sched, pad_to)
-    ids = [(sampled or {}).get(r, 1) for r in batch.req_ids]
-    pool.record_sampled(batch, backend.asarray(np.array(ids, np.int64)))
-    return backend.batch_to_numpy(batch)
+    ids = sampled_array([(sampled or {}).get(r, 1) for r in batch.req_ids])
+    pool.record_sampled(batch, backend.asarray(ids))
+    return backend.batch_to_numpy(batch) | draft_fields(backend, batch)
+
+
+def sampled_array(per_row: Sequence[int | Sequence[int]]) -> np.ndarray:
+    """One id per batch row as `[num_reqs]`; if any row has a sequence, `[num_reqs, longest]` padded with -1."""
+    if all(isinstance(t, int) for t in per_row):
+        return np.array(per_row, np.int64)
+    rows = [[t] if isinstance(t, int) else list(t) for t in per_row]
+    width = max(len(r) for r in rows)
+    return np.array([r + [PLACEHOLDER_TOKEN_ID] * (width - len(r)) for r in rows], np.int64).reshape(len(rows), width)
+
+
+def draft_fields(backend: BackendHandle, batch: BatchInputs) -> dict[str, Any]:
+    """The speculative-decoding fields of a batch as NumPy (None where the step has no drafts)."""
+    return {
+        name: None if getattr(batch, name) is None else backend.to_numpy(getattr(batch, name)) for name in DRAFT_FIELDS
+    }
+
+
+DRAFT_FIELDS = (
+    "num_draft_tokens",
+    "cu_num_draft_tokens",
+    "draft_token_ids",
+    "target_logits_indices",
+    "bonus_logits_indices",
+)
 
 
 def run(backend: BackendHandle, pool: StatePool, steps: Sequence[SchedulerOutput]) -> list[dict[str, Any]]:

@@ -2,11 +2,12 @@
 
     pool.apply(sched)                  # validate, then update rows, tokens, tables, progress
     batch = pool.prepare(sched)        # BatchInputs for the model
-    pool.record_sampled(batch, ids)    # append each finished row's sampled token
+    pool.record_sampled(batch, ids)    # append each finished row's sampled (or accepted) tokens
 
 The three calls come in this order. An output is frozen when it is applied: prepare reads what apply
 validated, so changing the output object afterwards cannot change the batch. record_sampled takes the
 batch of the last prepare, once: a batch from an earlier step could name rows that changed owner since.
+Speculative decoding (drafts in the batch, accepted tokens, rollback) is described in spec/drafts.py.
 """
 
 from __future__ import annotations
@@ -14,11 +15,14 @@ from __future__ import annotations
 import numpy as np
 
 from spec.batch import batch_order
+from spec.drafts import DraftLogits, accepted_rows, draft_logits, draft_token_indices
 from spec.errors import InconsistentSchedulerOutputError, ModelLengthError, TokenIdError, UnknownRequestError
 from spec.flatten import flatten
 from spec.slots import gather_block_tables, slot_mapping
 from spec.state import PoolState, StepPlan
 from spec.types import (
+    INDEX_DTYPE,
+    PLACEHOLDER_TOKEN_ID,
     TOKEN_STORAGE_DTYPE,
     BatchInputs,
     PoolSnapshot,
@@ -40,6 +44,7 @@ class RequestStatePool:
         self._plan: StepPlan | None = None  # the applied output as validated: what prepare reads
         self._prepared: BatchInputs | None = None  # the batch record_sampled may take
         self._prepared_rows = (np.zeros(0, np.int64), np.zeros(0, np.int64))  # its index_mapping and seq_lens
+        self._prepared_drafts: list[np.ndarray] = []  # [num_reqs] its drafts per batch row
 
     def apply(self, sched: SchedulerOutput) -> None:
         plan = plan_step(self.state, sched)  # raises before anything below runs
@@ -61,6 +66,12 @@ class RequestStatePool:
         padded = int(padded)
         req_ids, index_mapping, num_scheduled = batch_order(self._plan.scheduled, self.state.row_of)
         flat = flatten(index_mapping, num_scheduled, self.state.num_computed_tokens, self.token_ids, padded)
+        no_drafts = np.zeros(0, TOKEN_STORAGE_DTYPE)
+        drafts = [self._plan.drafts.get(r, no_drafts) for r in req_ids]  # [num_reqs] per batch row
+        num_drafts = np.array([d.size for d in drafts], INDEX_DTYPE)  # [num_reqs]
+        sampler = draft_logits(flat.query_start_loc, num_drafts, drafts) if num_drafts.any() else None
+        if sampler is not None:  # the draft positions lie past the known tokens: their ids are the drafts
+            flat.input_ids[draft_token_indices(flat.query_start_loc, num_drafts)] = sampler.draft_token_ids
         groups = self.config.kv_groups
         self._prepared = BatchInputs(
             req_ids=req_ids,
@@ -70,7 +81,7 @@ class RequestStatePool:
             positions=flat.positions,
             input_ids=flat.input_ids,
             seq_lens=flat.seq_lens,
-            logits_indices=flat.logits_indices,
+            logits_indices=flat.logits_indices if sampler is None else sampler.logits_indices,
             block_tables=tuple(gather_block_tables(t, index_mapping) for t in self.state.block_tables),
             slot_mappings=tuple(
                 slot_mapping(t, flat.token_rows, flat.positions, g.block_size)
@@ -78,40 +89,61 @@ class RequestStatePool:
             ),
             num_tokens=num_tokens,
             num_tokens_padded=padded,
+            **({} if sampler is None else _sampler_fields(sampler)),
         )
         self._prepared_rows = (index_mapping.astype(np.int64), flat.seq_lens.copy())
+        self._prepared_drafts = drafts
         return self._prepared
 
     def record_sampled(self, batch: BatchInputs, sampled_token_ids: object) -> None:
-        """Append sampled_token_ids[b] to row index_mapping[b] if the step reached its last known token.
+        """Append each batch row's sampled tokens to its row if the step reached the row's last known token.
 
-        Rows still mid-prefill (seq_len < known tokens) discard their sample. The step's progress
-        itself is not advanced here: the scheduler's num_computed_tokens is authoritative.
+        `sampled_token_ids` is `[num_reqs]` (one token per row) or `[num_reqs, width]` padded with
+        PLACEHOLDER_TOKEN_ID (the accepted tokens of a step with drafts, spec/drafts.py). Rows still
+        mid-prefill (seq_len < known tokens) discard theirs. Each taking row, in batch order, is checked:
+        1 .. 1 + k tokens with no gap, every id in the vocabulary, all but the last equal to its drafts,
+        room below max_model_len; the first fault raises and nothing is appended. The step's progress itself
+        is not advanced here: the scheduler's num_computed_tokens is authoritative (and rolls back past
+        rejected drafts).
         """
         if not self._is_last_prepared(batch):
             detail = "not the batch of the last prepare (or recorded already)"
             raise InconsistentSchedulerOutputError(None, "batch", detail)
-        sampled = np.asarray(sampled_token_ids).reshape(-1)
+        sampled = np.asarray(sampled_token_ids)
         if sampled.size and sampled.dtype.kind not in "iu":  # empty: np.asarray([]) is float, and harmless
             detail = f"dtype {sampled.dtype}: needs integer ids"
             raise InconsistentSchedulerOutputError(None, "sampled_token_ids", detail)
-        if sampled.shape[0] != batch.num_reqs:
-            raise InconsistentSchedulerOutputError(
-                None, "sampled_token_ids", f"{sampled.shape[0]} ids for {batch.num_reqs} batch rows"
-            )
+        tokens, counts = accepted_rows(sampled, batch.num_reqs)  # [num_reqs, width], [num_reqs]
         rows, seq_lens = self._prepared_rows  # as prepared: edits to the batch's arrays cannot redirect the ids
-        takes = seq_lens == self.state.num_tokens[rows]  # [num_reqs]
+        drafts = self._prepared_drafts
+        known = self.state.num_tokens[rows]  # [num_reqs]
+        takes = seq_lens == known + [d.size for d in drafts]  # [num_reqs] the step reached its last input token
         for b in np.flatnonzero(takes):
-            req_id, token = batch.req_ids[b], int(sampled[b])
-            if not 0 <= token < self.config.vocab_size:
-                raise TokenIdError(req_id, "sampled_token_ids", f"{token} not in [0, {self.config.vocab_size})")
-            if self.state.num_tokens[rows[b]] >= self.config.max_model_len:
-                raise ModelLengthError(req_id, "sampled_token_ids", "no room past max_model_len")
+            self._check_accepted(batch.req_ids[b], tokens[b], int(counts[b]), drafts[b], int(known[b]))
         for b in np.flatnonzero(takes):
-            row = rows[b]
-            self.token_ids[row, self.state.num_tokens[row]] = sampled[b]
-            self.state.num_tokens[row] += 1
+            row, n = rows[b], counts[b]
+            self.token_ids[row, known[b] : known[b] + n] = tokens[b, :n]
+            self.state.num_tokens[row] += n
         self._prepared = None
+
+    def _check_accepted(self, req_id: str, tokens: np.ndarray, count: int, drafts: np.ndarray, known: int) -> None:
+        """One taking row's tokens (its `count` before the first placeholder), in record_sampled's order of checks."""
+        field = "sampled_token_ids"
+        if count == 0:
+            raise InconsistentSchedulerOutputError(req_id, field, "no token for a row that samples")
+        if (tokens[count:] != PLACEHOLDER_TOKEN_ID).any():
+            raise InconsistentSchedulerOutputError(req_id, field, f"a token after the placeholder at {count}")
+        if count > 1 + drafts.size:
+            detail = f"{count} tokens for {drafts.size} drafts: at most 1 + {drafts.size}"
+            raise InconsistentSchedulerOutputError(req_id, field, detail)
+        bad = tokens[:count][(tokens[:count] < 0) | (tokens[:count] >= self.config.vocab_size)]
+        if bad.size:
+            raise TokenIdError(req_id, field, f"{bad[0]} not in [0, {self.config.vocab_size})")
+        if not np.array_equal(tokens[: count - 1], drafts[: count - 1]):  # a sampler keeps drafts only verbatim
+            detail = f"accepted {tokens[: count - 1].tolist()} but the drafts were {drafts.tolist()}"
+            raise InconsistentSchedulerOutputError(req_id, field, detail)
+        if known + count > self.config.max_model_len:
+            raise ModelLengthError(req_id, field, f"{known} + {count} tokens: no room past max_model_len")
 
     def _is_last_prepared(self, batch: BatchInputs) -> bool:
         """The batch prepare returned last, or one with its requests, rows and lengths (a wrapper's copy)."""
@@ -136,10 +168,18 @@ class RequestStatePool:
                 req_id=req_id,
                 token_ids=tuple(self.token_ids[row, : self.state.num_tokens[row]].tolist()),
                 num_computed_tokens=int(self.state.num_computed_tokens[row]),
-                block_ids=tuple(
-                    tuple(self.state.blocks(row, g).tolist()) for g in range(len(self.config.kv_groups))
-                ),
+                block_ids=tuple(tuple(self.state.blocks(row, g).tolist()) for g in range(len(self.config.kv_groups))),
             )
             for row, req_id in enumerate(self.state.req_ids)
             if req_id is not None
         )
+
+
+def _sampler_fields(sampler: DraftLogits) -> dict[str, np.ndarray]:
+    return {
+        "num_draft_tokens": sampler.num_draft_tokens,
+        "cu_num_draft_tokens": sampler.cu_num_draft_tokens,
+        "draft_token_ids": sampler.draft_token_ids,
+        "target_logits_indices": sampler.target_logits_indices,
+        "bonus_logits_indices": sampler.bonus_logits_indices,
+    }

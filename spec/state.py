@@ -31,6 +31,7 @@ class StepPlan:
     num_computed_tokens: dict[int, int] = field(default_factory=dict)  # row -> value after the step
     prompts: list[np.ndarray] = field(default_factory=list)  # parallel to new_rows: validated prompt token ids
     scheduled: list[tuple[str, int]] = field(default_factory=list)  # (req_id, num_scheduled), scheduler order
+    drafts: dict[str, np.ndarray] = field(default_factory=dict)  # req_id -> validated draft ids (non-empty only)
 
 
 class PoolState:

@@ -19,12 +19,14 @@ NULL_BLOCK_ID = 0  # block 0 of every group never holds real KV
 # Integer dtypes of BatchInputs (names understood by both NumPy and torch).
 INDEX_DTYPE = "int32"  # index_mapping, num_scheduled_tokens, query_start_loc, seq_lens, logits_indices
 BLOCK_ID_DTYPE = "int32"  # block tables: block ids are < num_blocks < 2**31
-TOKEN_DTYPE = "int64"  # positions, input_ids
+TOKEN_DTYPE = "int64"  # positions, input_ids, draft_token_ids
 SLOT_DTYPE = "int64"  # slot mappings: num_blocks * block_size may exceed 2**31
 # The pool's stored token ids, as vLLM's token_ids_cpu: half the bytes of int64, so a step's reads stay in
 # cache. WorkerConfig.vocab_size <= MAX_VOCAB_SIZE guarantees every valid id fits.
 TOKEN_STORAGE_DTYPE = "int32"
 MAX_VOCAB_SIZE = 2**31
+# A rejection sampler's padding: record_sampled's [num_reqs, max_k + 1] form ends each row's tokens with it.
+PLACEHOLDER_TOKEN_ID = -1
 
 
 def is_integral(value: object) -> bool:
@@ -148,6 +150,9 @@ class SchedulerOutput:
     # req_id -> tokens this step; its order is the tie-break of the batch sort
     num_scheduled_tokens: Mapping[str, int] = field(default_factory=dict)
     finished_req_ids: frozenset[str] = frozenset()
+    # req_id -> draft token ids (speculative decoding, spec/drafts.py); absent or empty: none. A request
+    # with k drafts is scheduled through its last known token and then the k drafts.
+    scheduled_spec_decode_tokens: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -165,11 +170,20 @@ class BatchInputs:
     positions: Any  # [T] int64, flat token index -> position in its request (0 for padding)
     input_ids: Any  # [T] int64 (0 for padding)
     seq_lens: Any  # [num_reqs] int32, num_computed_tokens + num_scheduled_tokens
-    logits_indices: Any  # [num_reqs] int32, flat index of each request's last scheduled token
+    # [num_reqs + num_drafts] int32, flat indices of the tokens whose logits are sampled: each request's last
+    # token, and with drafts each drafting request's last 1 + k tokens (spec/drafts.py); [num_reqs] without
+    logits_indices: Any
     block_tables: tuple[Any, ...]  # per group: [num_reqs, max_blocks_per_req(g)] int32
     slot_mappings: tuple[Any, ...]  # per group: [T] int64 (PAD_SLOT_ID for padding)
     num_tokens: int  # real tokens: query_start_loc[-1]
     num_tokens_padded: int  # T >= num_tokens
+    # Speculative decoding, as vLLM's SpecDecodeMetadata (spec/drafts.py). None when the step schedules no
+    # draft, so a step without drafts is the batch it always was.
+    num_draft_tokens: Any = None  # [num_reqs] int32, drafts of each batch row (0 for most)
+    cu_num_draft_tokens: Any = None  # [num_reqs] int32, cumsum(num_draft_tokens) (no leading 0, as vLLM)
+    draft_token_ids: Any = None  # [num_drafts] int64, the drafts in batch order
+    target_logits_indices: Any = None  # [num_drafts] int32, row of logits[logits_indices] that verifies each draft
+    bonus_logits_indices: Any = None  # [num_reqs] int32, row of logits[logits_indices] after each row's last draft
 
     @property
     def num_reqs(self) -> int:

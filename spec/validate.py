@@ -3,14 +3,16 @@
 Checks run in the order below, each over the whole output; the first failing one raises. Every
 backend must use the same order, so that an output with several faults raises the same class.
 
- 1. InconsistentSchedulerOutputError  malformed (a field of the wrong type) or self-contradictory output
+ 1. InconsistentSchedulerOutputError  malformed (a field of the wrong type) or self-contradictory output,
+                                      drafts of a request not scheduled or scheduled for fewer than 1 + k tokens
  2. UnknownRequestError               finished or cached request without a row
  3. DuplicateRequestError             new request whose req_id holds a row
  4. PoolFullError                     more live requests than rows
  5. TokenBudgetError                  more scheduled tokens than the budget
- 6. TokenIdError                      prompt token outside the vocabulary
+ 6. TokenIdError                      prompt token, then draft token, outside the vocabulary
  7. ModelLengthError                  prompt or num_computed + num_scheduled > max_model_len
- 8. UnknownTokenError                 num_computed + num_scheduled > known tokens
+ 8. UnknownTokenError                 num_computed + num_scheduled > known tokens (+ k drafts), or a request
+                                      with k drafts whose step does not end exactly at known + k
  9. BlockIdError                      id out of range, repeated in a table, null without a window
 10. BlockTableOverflowError           more blocks than max_blocks_per_req
 11. MissingBlockError                 a scheduled token past the last block
@@ -20,7 +22,8 @@ backend must use the same order, so that an output with several faults raises th
 What each field accepts (the input policy, docs/semantics.md): req ids are `str`; counts are integers of
 any integer type but not bools; ids (prompt tokens, block ids) are tuples or lists of integers (`operator.index`)
 or 1-D integer arrays; `new_requests` and `cached_requests` are tuples or lists (or a CachedRequestColumns),
-`num_scheduled_tokens` a mapping, `finished_req_ids` a set, frozenset, tuple or list of distinct ids.
+`num_scheduled_tokens` a mapping, `finished_req_ids` a set, frozenset, tuple or list of distinct ids,
+`scheduled_spec_decode_tokens` a mapping from scheduled req ids to ids (spec/drafts.py: where drafts go).
 """
 
 from __future__ import annotations
@@ -69,6 +72,7 @@ class _Scheduled:
     known_tokens: int
     num_computed: int
     num_scheduled: int
+    num_drafts: int  # the step's last num_drafts tokens are drafts, at positions known_tokens ..
     tables: list[np.ndarray]  # per group: the whole table after the step (empty where `malformed`)
     malformed: list[int]  # groups whose given ids are not integers (check 9 rejects them)
 
@@ -110,6 +114,15 @@ def plan_step(state: PoolState, sched: SchedulerOutput) -> StepPlan:
         if bad.size:
             raise TokenIdError(new.req_id, "prompt_token_ids", f"{bad[0]} not in [0, {config.vocab_size})")
         plan.prompts.append(tokens.astype(TOKEN_STORAGE_DTYPE))  # the copy commit stores: later edits can't reach it
+    for req_id, value in sched.scheduled_spec_decode_tokens.items():
+        drafts = as_ids(value)
+        if drafts is None:
+            raise TokenIdError(req_id, "scheduled_spec_decode_tokens", "not a tuple, list or 1-D array of integer ids")
+        bad = drafts[(drafts < 0) | (drafts >= config.vocab_size)]
+        if bad.size:
+            raise TokenIdError(req_id, "scheduled_spec_decode_tokens", f"{bad[0]} not in [0, {config.vocab_size})")
+        if drafts.size:
+            plan.drafts[req_id] = drafts.astype(TOKEN_STORAGE_DTYPE)  # frozen here, as the prompts
 
     scheduled = _scheduled_requests(state, sched, plan)
     for new in sched.new_requests:
@@ -121,12 +134,14 @@ def plan_step(state: PoolState, sched: SchedulerOutput) -> StepPlan:
                 s.req_id, "num_scheduled_tokens", f"seq_len {s.num_computed + s.num_scheduled} > max_model_len"
             )
     for s in scheduled:
-        if s.num_computed + s.num_scheduled > s.known_tokens:
-            raise UnknownTokenError(
-                s.req_id,
-                "num_scheduled_tokens",
-                f"positions up to {s.num_computed + s.num_scheduled - 1} but {s.known_tokens} tokens known",
-            )
+        end = s.num_computed + s.num_scheduled
+        if end > s.known_tokens + s.num_drafts:
+            and_drafts = f" and {s.num_drafts} drafts" if s.num_drafts else ""
+            detail = f"positions up to {end - 1} but {s.known_tokens} tokens known{and_drafts}"
+            raise UnknownTokenError(s.req_id, "num_scheduled_tokens", detail)
+        if s.num_drafts and end != s.known_tokens + s.num_drafts:  # drafts must follow the last known token
+            detail = f"step ends at position {end - 1}: {s.num_drafts} drafts must follow the {s.known_tokens} known"
+            raise UnknownTokenError(s.req_id, "scheduled_spec_decode_tokens", detail)
     for check in (_check_block_ids, _check_table_sizes, _check_blocks_present, _check_null_reads):
         for s in scheduled:
             for g in range(num_groups):
@@ -166,6 +181,15 @@ def _check_consistency(sched: SchedulerOutput, num_groups: int) -> None:
             fail(req_id, "num_scheduled_tokens", "scheduled but neither new nor cached")
         if not is_integral(n) or n < 1:
             fail(req_id, "num_scheduled_tokens", f"{n!r}: every scheduled request needs an integer >= 1")
+    for req_id, value in sched.scheduled_spec_decode_tokens.items():
+        if not isinstance(req_id, str):
+            fail(None, "scheduled_spec_decode_tokens", f"key {req_id!r} is not a str")
+        if req_id not in sched.num_scheduled_tokens:
+            fail(req_id, "scheduled_spec_decode_tokens", "drafts for a request that is not scheduled")
+        drafts = as_ids(value)  # malformed ids are check 6's (TokenIdError), as a prompt's
+        if drafts is not None and sched.num_scheduled_tokens[req_id] < 1 + drafts.size:
+            detail = f"{drafts.size} drafts need 1 + {drafts.size} scheduled tokens (the last known token first)"
+            fail(req_id, "scheduled_spec_decode_tokens", detail)
     for new in sched.new_requests:
         if not isinstance(new.block_ids, _SEQUENCES) or len(new.block_ids) != num_groups:
             fail(new.req_id, "block_ids", f"{_describe_groups(new.block_ids)}, config has {num_groups}")
@@ -191,6 +215,9 @@ def _check_containers(sched: SchedulerOutput) -> None:
         fail(None, "num_scheduled_tokens", f"{type(sched.num_scheduled_tokens).__name__}: needs a mapping")
     if not isinstance(sched.finished_req_ids, _ID_SETS):
         fail(None, "finished_req_ids", f"{type(sched.finished_req_ids).__name__}: needs a set, tuple or list")
+    if not isinstance(sched.scheduled_spec_decode_tokens, Mapping):
+        drafts = type(sched.scheduled_spec_decode_tokens).__name__
+        fail(None, "scheduled_spec_decode_tokens", f"{drafts}: needs a mapping")
     if any(not isinstance(r, NewRequest) for r in sched.new_requests):
         fail(None, "new_requests", "holds something that is not a NewRequest")
     cached = sched.cached_requests
@@ -255,6 +282,7 @@ def _scheduled_requests(state: PoolState, sched: SchedulerOutput, plan: StepPlan
                 len(new.prompt_token_ids),
                 new.num_computed_tokens,
                 sched.num_scheduled_tokens[new.req_id],
+                _num_drafts(plan, new.req_id),
                 tables,
                 malformed,
             )
@@ -271,11 +299,17 @@ def _scheduled_requests(state: PoolState, sched: SchedulerOutput, plan: StepPlan
                 known,
                 cached.num_computed_tokens,
                 sched.num_scheduled_tokens[cached.req_id],
+                _num_drafts(plan, cached.req_id),
                 tables,
                 malformed,
             )
         )
     return out
+
+
+def _num_drafts(plan: StepPlan, req_id: str) -> int:
+    drafts = plan.drafts.get(req_id)
+    return 0 if drafts is None else int(drafts.size)
 
 
 def _tables(kept: list[np.ndarray], given: tuple[tuple[int, ...], ...]) -> tuple[list[np.ndarray], list[int]]:
