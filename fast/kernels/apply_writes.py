@@ -9,14 +9,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
 import triton
 import triton.language as tl
 
 from fast.runtime import kernel
 
 if TYPE_CHECKING:
-    import torch
-
     from fast.state import DeviceState
     from fast.writes import StepWrites
 
@@ -28,6 +27,12 @@ def apply_writes_triton(dev: DeviceState, packed: torch.Tensor, writes: StepWrit
     prompt_base = 6 * n_t
     computed_base = prompt_base + 3 * n_p
     data_base = computed_base + 2 * n_c
+    expected = (data_base + len(writes.data),)
+    if packed.dtype != torch.int64 or tuple(packed.shape) != expected or packed.stride(0) != 1:
+        raise ValueError(f"apply_writes: packed must be a contiguous {list(expected)} int64 tensor, got "
+                         f"{tuple(packed.shape)} {packed.dtype}")  # fmt: skip
+    if packed.device != dev.device:
+        raise ValueError(f"apply_writes: packed is on {packed.device}, the pool's state on {dev.device}")
     grid = (n_t + n_p + triton.cdiv(n_c, BLOCK),)
     _apply_writes_kernel[grid](
         packed,
@@ -43,7 +48,7 @@ def apply_writes_triton(dev: DeviceState, packed: torch.Tensor, writes: StepWrit
         computed_base,
         data_base,
         dev.config.max_num_reqs,
-        dev.config.max_model_len,
+        dev.token_ids.stride(0),  # the token array grows with the longest request: its row stride, not max_model_len
         len(dev.config.kv_groups),
         BLOCK=BLOCK,
     )
@@ -52,7 +57,7 @@ def apply_writes_triton(dev: DeviceState, packed: torch.Tensor, writes: StepWrit
 @kernel
 def _apply_writes_kernel(
     packed_ptr,  # [packed_len] int64, layout in fast/writes.py
-    token_ids_ptr,  # [R, max_model_len] int64
+    token_ids_ptr,  # [R, token capacity] int32, row stride `max_model_len` (the argument below)
     tables_ptr,  # [R * sum_g max_blocks_per_req(g)] int32, group g at R * table_offset(g)
     num_blocks_ptr,  # [G, R] int32
     num_computed_ptr,  # [R] int64

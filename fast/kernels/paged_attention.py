@@ -24,8 +24,19 @@ import triton.language as tl
 
 from fast.runtime import interpret_enabled, kernel
 
-_BLOCK_M_MIN = 16  # tl.dot needs >= 16 rows
-_BLOCK_N = 32  # key positions per inner tile
+BLOCK_M_MIN = 16  # tl.dot needs >= 16 rows
+BLOCK_N = 32  # key positions per inner tile
+# float32 operands double the registers of a tile; at 4 warps ptxas spilled (8 bytes of stack on sm_80 and
+# sm_90, see tests/test_kernel_compile.py), at 8 warps no configuration does
+NUM_WARPS = 4
+NUM_WARPS_FP32_DOT = 8
+
+
+def query_tile(group: int) -> tuple[int, int, int]:
+    """(HEADS_PAD, BLOCK_M, BLOCK_Q) for `group` query heads per KV head: BLOCK_Q tokens x HEADS_PAD heads."""
+    heads_pad = triton.next_power_of_2(group)
+    block_m = max(BLOCK_M_MIN, heads_pad)
+    return heads_pad, block_m, block_m // heads_pad
 
 
 def paged_attention_triton(
@@ -46,17 +57,10 @@ def paged_attention_triton(
     num_reqs = seq_lens.shape[0]
     if num_tokens == 0 or num_reqs == 0:  # nothing to attend; empty tensors' strides mean nothing
         return
-    assert out.shape == query.shape and out.dtype == query.dtype
-    assert key_cache.shape == value_cache.shape and key_cache.stride() == value_cache.stride()
-    assert num_heads % num_kv_heads == 0 and key_cache.shape[3] == head_dim
-    assert query.dtype == key_cache.dtype == value_cache.dtype
-    assert block_table.shape[0] == num_reqs and query_start_loc.shape == (num_reqs + 1,)
-    assert query.stride(2) == out.stride(2) == key_cache.stride(3) == 1 and block_table.stride(1) == 1
-    assert seq_lens.stride(0) == 1 and query_start_loc.stride(0) == 1
+    _check_launch(out, query, key_cache, value_cache, block_table, seq_lens, query_start_loc)
     group = num_heads // num_kv_heads
-    heads_pad = triton.next_power_of_2(group)
-    block_m = max(_BLOCK_M_MIN, heads_pad)
-    block_q = block_m // heads_pad
+    heads_pad, block_m, block_q = query_tile(group)
+    fp32_dot = query.dtype == torch.float32 or (query.dtype == torch.bfloat16 and interpret_enabled())
     grid = (num_tokens // block_q + num_reqs, num_kv_heads)
     _paged_attention_kernel[grid](
         out, query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
@@ -64,11 +68,47 @@ def paged_attention_triton(
         float(scale), float(softcap or 1.0), int(sliding_window or 1),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_table.stride(0),
-        BLOCK_Q=block_q, HEADS_PAD=heads_pad, BLOCK_M=block_m, BLOCK_N=_BLOCK_N,
+        BLOCK_Q=block_q, HEADS_PAD=heads_pad, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        USE_WINDOW=sliding_window is not None, USE_SOFTCAP=softcap is not None,
-        FP32_DOT=query.dtype == torch.float32 or (query.dtype == torch.bfloat16 and interpret_enabled()),
+        USE_WINDOW=sliding_window is not None, USE_SOFTCAP=softcap is not None, FP32_DOT=fp32_dot,
+        num_warps=NUM_WARPS_FP32_DOT if fp32_dot else NUM_WARPS,
     )  # fmt: skip
+
+
+def _check_launch(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+) -> None:
+    """What the kernel's addressing assumes; fast.attention.paged_attention arranges all of it for its callers."""
+    _, num_heads, head_dim = query.shape
+    num_reqs = seq_lens.shape[0]
+    if out.shape != query.shape or out.dtype != query.dtype:
+        raise ValueError(f"paged_attention: out {tuple(out.shape)} {out.dtype} must match query {tuple(query.shape)}")
+    if key_cache.ndim != 4 or key_cache.shape != value_cache.shape:
+        raise ValueError(f"paged_attention: key_cache {tuple(key_cache.shape)} and value_cache must share a 4-d shape")
+    if key_cache.stride() != value_cache.stride():  # one set of strides addresses both caches
+        raise ValueError(f"paged_attention: value_cache strides {value_cache.stride()} differ from key_cache's")
+    if num_heads % key_cache.shape[2] or key_cache.shape[3] != head_dim:
+        raise ValueError(f"paged_attention: query {tuple(query.shape)} does not fit key_cache {tuple(key_cache.shape)}")
+    if not query.dtype == key_cache.dtype == value_cache.dtype:
+        raise ValueError(f"paged_attention: query {query.dtype} vs caches {key_cache.dtype}, {value_cache.dtype}")
+    if block_table.ndim != 2 or block_table.shape[0] != num_reqs:
+        raise ValueError(f"paged_attention: block_table {tuple(block_table.shape)} must be [num_reqs={num_reqs}, max]")
+    if tuple(query_start_loc.shape) != (num_reqs + 1,):
+        raise ValueError(f"paged_attention: query_start_loc {tuple(query_start_loc.shape)} must be [{num_reqs + 1}]")
+    # the head_dim axis is addressed without a stride (so loads vectorise), as are the rows of the small tensors
+    for name, stride in (
+        ("query", query.stride(2)), ("out", out.stride(2)), ("key_cache", key_cache.stride(3)),
+        ("block_table", block_table.stride(1)), ("seq_lens", seq_lens.stride(0)),
+        ("query_start_loc", query_start_loc.stride(0)),
+    ):  # fmt: skip
+        if stride != 1:
+            raise ValueError(f"paged_attention: {name} must have stride 1 along its last axis, got {stride}")
 
 
 @kernel

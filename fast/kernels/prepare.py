@@ -41,6 +41,13 @@ def prepare_triton(
     num_tokens: int,
     num_tokens_padded: int,
 ) -> PreparedArrays:
+    if batch_host.dtype != torch.int32 or tuple(batch_host.shape) != (3 * num_reqs + 1,):
+        raise ValueError(f"prepare: batch_host must be [{3 * num_reqs + 1}] int32, got {tuple(batch_host.shape)} "
+                         f"{batch_host.dtype}")  # fmt: skip
+    if batch_host.device != dev.device:
+        raise ValueError(f"prepare: batch_host is on {batch_host.device}, the pool's state on {dev.device}")
+    if not 0 <= num_tokens <= num_tokens_padded:
+        raise ValueError(f"prepare: num_tokens {num_tokens} must be in [0, num_tokens_padded={num_tokens_padded}]")
     groups = len(dev.config.kv_groups)
     device = dev.device
     # Two output buffers, carved into contiguous per-array views: two allocations per step.
@@ -58,7 +65,7 @@ def prepare_triton(
         num_tokens,
         num_tokens_padded,
         dev.config.max_num_reqs,
-        dev.config.max_model_len,
+        dev.token_ids.stride(0),  # the token array grows with the longest request: its row stride, not max_model_len
         groups,
         dev.total_width,
         PAD_SLOT_ID,
@@ -83,7 +90,7 @@ def prepare_triton(
 @kernel
 def _prepare_kernel(
     batch_ptr,  # [3 num_reqs + 1] int32: index_mapping (batch_idx -> req_state_idx) | num_scheduled | query_start_loc
-    token_ids_ptr,  # [R, max_model_len] int64
+    token_ids_ptr,  # [R, token capacity] int32, row stride `max_model_len` (the argument below)
     tables_ptr,  # [R * total_width] int32, group g's [R, width_g] table at R * table_offset(g)
     num_computed_ptr,  # [R] int64, req_state_idx -> num_computed_tokens
     group_meta_ptr,  # [3, G] int64: block_size, width, table_offset

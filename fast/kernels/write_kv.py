@@ -12,7 +12,9 @@ import triton.language as tl
 
 from fast.runtime import kernel
 
-_MAX_TILE_ELEMENTS = 4096  # heads * padded head_dim handled by one program
+# bytes of key (and as many of value) one program moves: 32 KV heads x 128 float32 lanes in one program took
+# 80 registers a thread (tests/test_kernel_compile.py); 8 KiB keeps every dtype within 64
+_MAX_TILE_BYTES = 8192
 
 
 def write_kv_triton(
@@ -26,14 +28,9 @@ def write_kv_triton(
     num_tokens = key.shape[0]
     if num_tokens == 0:  # an empty step (say, one that only finishes requests); its strides mean nothing
         return
-    assert value_cache.shape == key_cache.shape and key.shape == value.shape == (num_tokens, num_kv_heads, head_dim)
-    assert slot_mapping.shape == (num_tokens,) and slot_mapping.dtype in (torch.int32, torch.int64)
-    assert key_cache.dtype == value_cache.dtype == key.dtype == value.dtype
-    # one set of cache strides serves both caches; the head_dim axis is addressed without a stride
-    assert key_cache.stride() == value_cache.stride() and key_cache.stride(3) == 1
-    assert key.stride(2) == 1 and value.stride(2) == 1 and slot_mapping.stride(0) == 1
+    _check_launch(key_cache, value_cache, key, value, slot_mapping)
     block_d = triton.next_power_of_2(head_dim)
-    block_h = min(triton.next_power_of_2(num_kv_heads), max(1, _MAX_TILE_ELEMENTS // block_d))
+    block_h = min(triton.next_power_of_2(num_kv_heads), max(1, _MAX_TILE_BYTES // (block_d * key.element_size())))
     grid = (num_tokens, triton.cdiv(num_kv_heads, block_h))
     _write_kv_kernel[grid](
         key_cache, value_cache, key, value, slot_mapping,
@@ -42,6 +39,34 @@ def write_kv_triton(
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         BLOCK_H=block_h, BLOCK_D=block_d,
     )  # fmt: skip
+
+
+def _check_launch(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """What the kernel's addressing assumes; fast.kv_cache.write_kv arranges all of it for its callers."""
+    num_tokens = key.shape[0]
+    if key_cache.ndim != 4 or value_cache.shape != key_cache.shape:
+        raise ValueError(f"write_kv: key_cache {tuple(key_cache.shape)} and value_cache must share a 4-d shape")
+    if key.shape != value.shape or tuple(key.shape[1:]) != tuple(key_cache.shape[2:]):
+        raise ValueError(f"write_kv: key/value {tuple(key.shape)} do not match key_cache {tuple(key_cache.shape)}")
+    if tuple(slot_mapping.shape) != (num_tokens,) or slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"write_kv: slot_mapping must be [{num_tokens}] int32 or int64, got {slot_mapping.dtype}")
+    if not key_cache.dtype == value_cache.dtype == key.dtype == value.dtype:
+        raise ValueError("write_kv: key_cache, value_cache, key and value must share a dtype")
+    if key_cache.stride() != value_cache.stride():  # one set of strides addresses both caches
+        raise ValueError(f"write_kv: value_cache strides {value_cache.stride()} differ from key_cache's")
+    # the head_dim axis is addressed without a stride, so that loads and stores vectorise
+    for name, stride in (
+        ("key_cache", key_cache.stride(3)), ("key", key.stride(2)), ("value", value.stride(2)),
+        ("slot_mapping", slot_mapping.stride(0)),
+    ):  # fmt: skip
+        if stride != 1:
+            raise ValueError(f"write_kv: {name} must have stride 1 along its last axis, got {stride}")
 
 
 @kernel
