@@ -1,6 +1,7 @@
 """Stage 6, the KV write (reshape_and_cache) on torch tensors: each new token's key and value go to its slot.
 
-Same contract as spec.kv_cache.write_kv. CUDA tensors (or CPU tensors with the Triton interpreter on)
+Same contract as spec.kv_cache.write_kv (the same inputs accepted and refused: spec.kv_cache.check_kv_inputs,
+plus one device for all tensors). CUDA tensors (or CPU tensors with the Triton interpreter on)
 run fast.kernels.write_kv; other CPU tensors take one row-copying NumPy assignment per cache (through views
 of the same memory), after one min/max pass over the slots that both checks their range and tells whether
 any token is padding (only then are the real tokens selected, once for both caches).
@@ -16,10 +17,8 @@ import numpy as np
 import torch
 
 from fast.runtime import use_triton
-from spec.kv_cache import check_kv_shapes
+from spec.kv_cache import check_kv_inputs
 from spec.types import PAD_SLOT_ID
-
-_SLOT_DTYPES = (torch.int32, torch.int64)
 
 
 def write_kv(
@@ -29,7 +28,7 @@ def write_kv(
     value: torch.Tensor,  # [T, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [T] int64, flat token index -> slot
 ) -> None:
-    check_kv_shapes(key_cache, value_cache, key, value, slot_mapping)
+    check_kv_inputs(key_cache, value_cache, key, value, slot_mapping)
     check_kv_tensors(key_cache, value_cache, key, value, slot_mapping)
     if not use_triton(key_cache.device):
         _write_kv_torch(key_cache, value_cache, key, value, slot_mapping)
@@ -41,7 +40,9 @@ def write_kv(
         raise _out_of_range(num_slots)
     from fast.kernels.write_kv import write_kv_triton  # lazily: the torch path works without Triton
 
-    write_kv_triton(key_cache, value_cache, key, value, slot_mapping)
+    # the kernel reads head_dim without a stride; spec takes any layout of the (small) new keys and values
+    key, value = (x if x.stride(2) == 1 else x.contiguous() for x in (key, value))
+    write_kv_triton(key_cache, value_cache, key, value, slot_mapping.contiguous())
 
 
 def check_kv_tensors(
@@ -51,17 +52,10 @@ def check_kv_tensors(
     value: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """What torch adds to spec's shape contract: one device, one float dtype, integer slots."""
+    """What torch adds to spec's contract: one device."""
     tensors = (key_cache, value_cache, key, value, slot_mapping)
     if len({t.device for t in tensors}) != 1:
         raise ValueError(f"write_kv: tensors on several devices: {[str(t.device) for t in tensors]}")
-    if len({key_cache.dtype, value_cache.dtype, key.dtype, value.dtype}) != 1:
-        raise ValueError(
-            f"write_kv: caches and key/value must share a dtype, got {key_cache.dtype}, {value_cache.dtype}, "
-            f"{key.dtype}, {value.dtype}"
-        )
-    if slot_mapping.dtype not in _SLOT_DTYPES:
-        raise ValueError(f"write_kv: slot_mapping must be int64 (or int32), got {slot_mapping.dtype}")
 
 
 def _write_kv_torch(

@@ -7,11 +7,26 @@ and k > p - sliding_window (if set). Logits are `scale * q.k`, then `softcap * t
 Numerics: the reference computes in the dtype of its inputs (float16 arithmetic for float16 inputs),
 so that one function gives both the high-precision reference (float64 inputs) and the
 low-precision baseline the tolerance rule compares against. Padding rows of the output are zero.
+Non-finite inputs follow IEEE arithmetic: a NaN anywhere in a row's visible logits (a NaN query, scale=NaN)
+makes that row NaN.
+
+Input contract, shared by every backend (check_attention_inputs; each raises ValueError naming the
+argument): the shapes in the signature; query and both caches of one float dtype; block_table, seq_lens and
+query_start_loc int32 or int64; the caches laid out alike (spec.kv_cache.check_cache_layout); sliding_window
+an int >= 1 or None; softcap a finite number > 0 or None; scale a real number.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
+from typing import Any
+
 import numpy as np
+
+from spec.kv_cache import check_cache_layout, dtype_name, is_float
+
+INDEX_DTYPES = ("int32", "int64")
 
 
 def paged_attention(
@@ -26,10 +41,12 @@ def paged_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
 ) -> np.ndarray:  # [T, num_heads, head_dim]
-    _, block_size, num_kv_heads, head_dim = key_cache.shape
+    check_attention_inputs(
+        query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
+        scale=scale, sliding_window=sliding_window, softcap=softcap,
+    )  # fmt: skip
+    block_size, num_kv_heads = key_cache.shape[1:3]
     num_heads = query.shape[1]
-    if num_heads % num_kv_heads or query.shape[2] != head_dim:
-        raise ValueError(f"paged_attention: query {query.shape} does not fit cache {key_cache.shape}")
     dtype = query.dtype.type
     out = np.zeros_like(query)
     for b in range(len(seq_lens)):
@@ -53,3 +70,57 @@ def paged_attention(
         weights /= weights.sum(axis=-1, keepdims=True)
         out[q_start:q_end] = np.einsum("hqk,khd->qhd", weights, values)
     return out
+
+
+def check_attention_inputs(
+    query: Any,
+    key_cache: Any,
+    value_cache: Any,
+    block_table: Any,
+    seq_lens: Any,
+    query_start_loc: Any,
+    *,
+    scale: Any,
+    sliding_window: Any,
+    softcap: Any,
+) -> None:
+    """The input contract of paged_attention (module docstring), for NumPy arrays and torch tensors alike.
+
+    Shapes, dtypes, layouts and the scalar options only: checking values would cost a device->host sync.
+    """
+    if key_cache.ndim != 4 or key_cache.shape != value_cache.shape:
+        raise ValueError(
+            f"paged_attention: key_cache and value_cache must share a 4-d shape, got {tuple(key_cache.shape)}, "
+            f"{tuple(value_cache.shape)}"
+        )
+    num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+    if query.ndim != 3 or query.shape[1] % num_kv_heads or query.shape[2] != head_dim:
+        raise ValueError(f"paged_attention: query {tuple(query.shape)} does not fit key_cache {tuple(key_cache.shape)}")
+    num_reqs = seq_lens.shape[0] if seq_lens.ndim == 1 else -1
+    if num_reqs < 0:
+        raise ValueError(f"paged_attention: seq_lens {tuple(seq_lens.shape)} must be [num_reqs]")
+    if block_table.ndim != 2 or block_table.shape[0] != num_reqs:
+        raise ValueError(
+            f"paged_attention: block_table {tuple(block_table.shape)} must be [num_reqs={num_reqs}, max_blocks]"
+        )
+    if tuple(query_start_loc.shape) != (num_reqs + 1,):
+        raise ValueError(f"paged_attention: query_start_loc {tuple(query_start_loc.shape)} must be [{num_reqs + 1}]")
+    for name, x in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if x.dtype != query.dtype:
+            raise ValueError(f"paged_attention: {name} is {dtype_name(x.dtype)}, query {dtype_name(query.dtype)}")
+    if not is_float(query.dtype):
+        raise ValueError(f"paged_attention: query must hold floats, got {dtype_name(query.dtype)}")
+    for name, x in (("block_table", block_table), ("seq_lens", seq_lens), ("query_start_loc", query_start_loc)):
+        if dtype_name(x.dtype) not in INDEX_DTYPES:
+            raise ValueError(f"paged_attention: {name} must be int32 or int64, got {dtype_name(x.dtype)}")
+    check_cache_layout("paged_attention", key_cache, value_cache)
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise ValueError(f"paged_attention: scale must be a real number, got {scale!r}")
+    if sliding_window is not None and (
+        isinstance(sliding_window, bool) or not isinstance(sliding_window, numbers.Integral) or sliding_window < 1
+    ):
+        raise ValueError(f"paged_attention: sliding_window must be an int >= 1 or None, got {sliding_window!r}")
+    if softcap is not None and (
+        isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not 0 < float(softcap) < math.inf
+    ):
+        raise ValueError(f"paged_attention: softcap must be a finite number > 0 or None, got {softcap!r}")

@@ -213,7 +213,7 @@ def test_paged_attention_rejects_bad_inputs(mode: str) -> None:
                              case.query_start_loc, scale=1.0)  # fmt: skip
     with pytest.raises(ValueError, match="query_start_loc"):
         paged_attention(q, k, v, bt, sl, qsl[:1], scale=1.0)
-    with pytest.raises(ValueError, match="dtype"):
+    with pytest.raises(ValueError, match="key_cache is float32, query float16"):
         paged_attention(q.half(), k, v, bt, sl, qsl, scale=1.0)
     with pytest.raises(ValueError, match="sliding_window"):
         paged_attention(q, k, v, bt, sl, qsl, scale=1.0, sliding_window=0)
