@@ -1,5 +1,9 @@
 """Benchmark workloads: batch shapes from the issue, and an endless stream of valid steps for each.
 
+Continuing requests come as one spec.types.CachedRequestColumns, the columnar form vLLM's scheduler
+hands its workers (CachedRequestData); `-objects` workloads send one CachedRequest per request instead,
+to show what the object form costs.
+
 A workload is `num_decodes` running requests (contexts drawn from [min_context, max_context]) plus
 `num_prefills` fresh prompts of `prefill_len` tokens per step. `StepStream` produces the steady state
 an engine sees: every step each decode advances one token (a new block whenever it crosses a block
@@ -15,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from spec.types import CachedRequest, KVCacheGroup, NewRequest, SchedulerOutput, WorkerConfig
+from spec.types import CachedRequest, CachedRequestColumns, KVCacheGroup, NewRequest, SchedulerOutput, WorkerConfig
 
 MAX_STREAM_STEPS = 512  # decode steps a stream can take before a request would outgrow max_model_len
 VOCAB_SIZE = 32_000
@@ -32,6 +36,7 @@ class Workload:
     quick: bool = False  # in the CI subset (`-m quick`)
     min_context: int = 1024
     max_context: int = 4096
+    objects: bool = False  # cached requests as CachedRequest objects instead of CachedRequestColumns
 
     @property
     def num_reqs(self) -> int:
@@ -66,10 +71,12 @@ HOST_WORKLOADS = (
     decode(1024),
     decode(8, groups=3, quick=True),
     decode(256, groups=3),
+    Workload("decode-256-objects", 256, objects=True),
     Workload("prefill-4x512", 0, 4, 512, quick=True),
     Workload("prefill-16x2048", 0, 16, 2048),
     Workload("mixed-64+2x512", 64, 2, 512, quick=True),
     Workload("mixed-256+4x512", 256, 4, 512),
+    Workload("mixed-200+8x2048", 200, 8, 2048),  # decodes beside several whole long prompts
 )
 
 KERNEL_WORKLOADS = (  # write_kv and paged_attention
@@ -180,19 +187,24 @@ class StepStream:
         w, k, layout = self.workload, self.step, self.layout
         if k > MAX_STREAM_STEPS:
             raise RuntimeError(f"{w.name}: more than {MAX_STREAM_STEPS} steps; raise MAX_STREAM_STEPS")
-        cached, scheduled = [], {}
+        req_ids, computed, added, scheduled = [], [], [], {}
         for i, ctx in enumerate(layout.contexts):
             position = ctx - 1 + k  # the token after the one sampled last step
             new_blocks = [
                 (int(blocks[i, position // bs]),) if position % bs == 0 else ()
                 for blocks, (bs, _) in zip(layout.decode_blocks, w.groups(), strict=True)
             ]
-            cached.append(CachedRequest(f"d{i}", position, tuple(new_blocks) if any(new_blocks) else None))
+            req_ids.append(f"d{i}")
+            computed.append(position)
+            added.append(tuple(new_blocks) if any(new_blocks) else None)
             scheduled[f"d{i}"] = 1
+        cached: tuple[CachedRequest, ...] | CachedRequestColumns = CachedRequestColumns(req_ids, computed, added)
+        if w.objects:
+            cached = tuple(cached)
         new = _prefills(w, layout.prefill_blocks, k)
         scheduled.update({r.req_id: w.prefill_len for r in new})
         finished = frozenset(f"p{k - 1}.{i}" for i in range(w.num_prefills))
-        return SchedulerOutput(tuple(new), tuple(cached), scheduled, finished)
+        return SchedulerOutput(tuple(new), cached, scheduled, finished)
 
     def sampled(self, num_reqs: int) -> np.ndarray:  # [num_reqs] int64, what the model "samples"
         return self._sampled[:num_reqs]

@@ -2,33 +2,37 @@
 
 CUDA tensors (and CPU tensors under the Triton interpreter) take fast.kernels.prepare, which computes
 these arrays and the slot mappings in one launch. On plain CPU tensors the state IS host memory
-(fast.state's shared mode), so the whole stage is NumPy index arithmetic writing into the output
-buffers the pool then hands out as tensors: a handful of small torch ops costs several times the
-NumPy equivalents on CPU (dispatch overhead), which is what the host-step target of the benchmarks measures.
+(fast.state's shared mode), so the whole stage is NumPy index arithmetic writing into the buffers the
+pool hands out as tensors: a handful of small torch ops costs several times the NumPy equivalents on
+CPU (dispatch overhead).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from fast.writes import ranges
-
 
 def flatten(
     index_mapping_np: np.ndarray,  # [num_reqs] int64, batch_idx -> req_state_idx
     num_scheduled_np: np.ndarray,  # [num_reqs] int64
+    cu_num_tokens_np: np.ndarray,  # [num_reqs] int64, query_start_loc[1:]
     num_computed_np: np.ndarray,  # [R] req_state_idx -> num_computed_tokens
-) -> tuple[np.ndarray, np.ndarray]:
-    """(token_rows [num_tokens] int64 flat token index -> req_state_idx, positions [num_tokens] int64)."""
+    out: np.ndarray,  # [T] int64, T >= num_tokens: positions, 0 past num_tokens
+) -> np.ndarray:  # [num_tokens] int64, flat token index -> req_state_idx
+    num_tokens = int(cu_num_tokens_np[-1]) if num_scheduled_np.size else 0
     computed = num_computed_np[index_mapping_np]  # [num_reqs]
-    if num_scheduled_np.size and int(num_scheduled_np.max()) == 1:  # decode: token b is batch row b
-        return index_mapping_np, computed
-    batch_idx, within = ranges(num_scheduled_np)  # position = num_computed + index within the request
-    return index_mapping_np[batch_idx], computed[batch_idx] + within
+    out[num_tokens:] = 0
+    if num_tokens == num_scheduled_np.size:  # decode: token b is batch row b
+        out[:num_tokens] = computed
+        return index_mapping_np
+    # position = num_computed + (t - query_start_loc[b]) = t + (num_computed - query_start_loc[b])
+    np.add(np.arange(num_tokens), np.repeat(computed - (cu_num_tokens_np - num_scheduled_np), num_scheduled_np),
+           out=out[:num_tokens])  # fmt: skip
+    return np.repeat(index_mapping_np, num_scheduled_np)
 
 
 def gather_input_ids(
-    token_ids_np: np.ndarray,  # [R, max_model_len] int64
+    token_ids_np: np.ndarray,  # [R, token capacity] int32
     token_rows_np: np.ndarray,  # [num_tokens] int64
     positions_np: np.ndarray,  # [num_tokens] int64
     out: np.ndarray,  # [T] int64, T >= num_tokens: input ids, zero past num_tokens

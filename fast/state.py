@@ -8,6 +8,10 @@ All groups' block tables live in ONE flat int32 tensor, group g's table being th
 [R, max_blocks_per_req(g)] slice starting at R * table_offset(g). One buffer means one kernel
 argument for every group, so a single launch can address all of them.
 
+Token ids are int32 (spec.types.TOKEN_STORAGE_DTYPE) in an array that grows with the longest request
+held (`reserve_tokens`), not [R, max_model_len] up front: a pool sized for 4096 x 131072 tokens
+allocates nothing for tokens until requests arrive, and a step's token reads stay in a few cache lines.
+
 Shared state (`DeviceState(config, cpu, mirror=pool_state)`): on CPU without kernels the "device" is
 host memory, so keeping a second copy would only double every write. The tensors are then views of
 the mirror's arrays (the mirror's block tables become views of one flat buffer, as above) and of a
@@ -23,6 +27,9 @@ import torch
 
 from spec.state import PoolState
 from spec.types import NULL_BLOCK_ID, WorkerConfig
+
+_MIN_TOKEN_CAPACITY = 256
+_TOKEN_CAPACITY_ALIGN = 64  # columns: rows start on cache-line boundaries
 
 # Rows of DeviceState.group_meta, each indexed by group.
 META_BLOCK_SIZE = 0
@@ -46,9 +53,10 @@ class DeviceState:
             np.stack([self.block_sizes_np, widths, offsets])
         ).to(device)
         self.shared = mirror is not None
+        self.token_capacity = 0  # token columns held: reserve_tokens grows it
         if mirror is None:
             self.token_ids_np: np.ndarray | None = None
-            self.token_ids = torch.zeros((rows, config.max_model_len), dtype=torch.int64, device=device)  # [R, L]
+            self.token_ids = torch.zeros((rows, 0), dtype=torch.int32, device=device)  # [R, token_capacity]
             self.tables = torch.zeros(rows * self.total_width, dtype=torch.int32, device=device)  # all groups, flat
             self.num_blocks = torch.zeros((groups, rows), dtype=torch.int32, device=device)  # [G, R] filled entries
             self.num_computed = torch.zeros(rows, dtype=torch.int64, device=device)  # [R]
@@ -60,7 +68,7 @@ class DeviceState:
                 flat[rows * int(off) : rows * int(off + width)].reshape(rows, int(width))
                 for off, width in zip(offsets, widths, strict=True)
             ]
-            self.token_ids_np = np.zeros((rows, config.max_model_len), np.int64)  # [R, L]
+            self.token_ids_np = np.zeros((rows, 0), np.int32)  # [R, token_capacity]
             self.token_ids = torch.from_numpy(self.token_ids_np)
             self.tables = torch.from_numpy(flat)
             self.num_blocks = torch.from_numpy(mirror.num_blocks)  # [G, R] int64, the mirror's
@@ -70,6 +78,24 @@ class DeviceState:
             self.tables[rows * int(off) : rows * int(off + width)].view(rows, int(width))
             for off, width in zip(offsets, widths, strict=True)
         )
+
+    def reserve_tokens(self, length: int) -> None:
+        """Room for `length` tokens in every row; grows geometrically (amortised O(1) a token), up to max_model_len."""
+        if length <= self.token_capacity:
+            return
+        limit = self.config.max_model_len
+        capacity = min(limit, max(length, 2 * self.token_capacity, _MIN_TOKEN_CAPACITY))
+        capacity = min(limit, -(-capacity // _TOKEN_CAPACITY_ALIGN) * _TOKEN_CAPACITY_ALIGN)
+        held = self.token_capacity
+        if self.token_ids_np is not None:
+            grown = np.zeros((self.config.max_num_reqs, capacity), np.int32)
+            grown[:, :held] = self.token_ids_np
+            self.token_ids_np, self.token_ids = grown, torch.from_numpy(grown)
+        else:
+            tensor = torch.zeros((self.config.max_num_reqs, capacity), dtype=torch.int32, device=self.device)
+            tensor[:, :held] = self.token_ids
+            self.token_ids = tensor
+        self.token_capacity = capacity
 
     def table(self, group: int) -> torch.Tensor:
         """Group g's persistent block table, [R, max_blocks_per_req(g)] int32, sharing `tables`' memory."""

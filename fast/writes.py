@@ -14,12 +14,17 @@ Packed layout (int64), the argument of fast.kernels.apply_writes:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from fast.kernels.apply_writes import apply_writes_triton
 from fast.state import DeviceState
+
+if TYPE_CHECKING:
+    from fast.validate import GroupWrites, StepPlan
+    from spec.state import PoolState
 
 TABLE_OP_FIELDS = 6
 PROMPT_OP_FIELDS = 3
@@ -67,42 +72,52 @@ def ranges(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return which, within
 
 
-def writes_from_ops(
-    table_ops: np.ndarray,  # [n_t, 6] int64
-    table_data: np.ndarray,  # [D_t] int64
-    prompts: list[tuple[int, tuple[int, ...]]],  # (row, prompt token ids) of new requests
-    computed_rows: np.ndarray,  # [n_c] int64
-    computed_values: np.ndarray,  # [n_c] int64
-) -> StepWrites:
-    lengths = np.array([len(p) for _, p in prompts], np.int64)
-    prompt_ops = np.stack(
-        [np.array([r for r, _ in prompts], np.int64), lengths, table_data.size + np.cumsum(lengths) - lengths], axis=1
-    ).reshape(-1, PROMPT_OP_FIELDS)
-    prompt_data = np.fromiter((t for _, p in prompts for t in p), np.int64, int(lengths.sum()))
+def step_writes(state: PoolState, plan: StepPlan) -> StepWrites:
+    """The device writes of a validated step, from the host mirror as it stands BEFORE the plan is committed.
+
+    Every touched (row, group) gets one table op holding its final contents over the range that changes:
+    a replaced table (new or resumed request, possibly on a row freed in the same step) is written over
+    max(old, new) entries with a zero tail, a freed row that nobody takes is cleared over its old entries,
+    an append covers just its ids.
+    """
+    ops, data = [], []
+    data_len = 0
+    for g, writes in enumerate(plan.tables):
+        old = state.num_blocks[g]  # [R] filled entries before the step
+        rep, app = writes.replaced, ~writes.replaced
+        replaced_rows, appended_rows = writes.rows[rep], writes.rows[app]
+        cleared_rows = plan.freed_rows[~np.isin(plan.freed_rows, replaced_rows)]  # freed and nobody takes them
+        none = np.zeros(cleared_rows.size, np.int64)
+        rows = np.concatenate([replaced_rows, cleared_rows, appended_rows])  # [k] one op each
+        lo = np.concatenate([0 * replaced_rows, none, writes.starts[app]])
+        appended_end = writes.starts[app] + writes.lengths[app]
+        count = np.concatenate([writes.lengths[rep], none, appended_end])  # [k] filled entries after the step
+        hi = np.concatenate([np.maximum(writes.lengths[rep], old[replaced_rows]), old[cleared_rows], appended_end])
+        ids = np.concatenate([_segments(writes, rep), _segments(writes, app)])
+        num_ids = np.concatenate([writes.lengths[rep], none, writes.lengths[app]])  # [k] ids at the head of each op
+        spans = hi - lo  # [k] entries each op writes: its ids, then zeros
+        first = data_len + spans.cumsum() - spans  # [k] where each op's entries begin in the data
+        block = np.zeros(int(spans.sum()), np.int64)
+        which, within = ranges(num_ids)
+        block[first[which] - data_len + within] = ids
+        ops.append(np.stack([rows, np.full(rows.size, g), lo, hi, count, first], axis=1))
+        data.append(block)
+        data_len += block.size
+    lengths = plan.prompt_lens
+    prompt_ops = np.stack([plan.new_rows, lengths, data_len + lengths.cumsum() - lengths], axis=1)
+    cleared = plan.freed_rows[~np.isin(plan.freed_rows, plan.computed_rows)]  # freed rows nobody takes: progress to 0
+    computed = np.concatenate(
+        [np.stack([plan.computed_rows, plan.computed_values], axis=1), np.stack([cleared, 0 * cleared], axis=1)]
+    )
     return StepWrites(
-        table_ops=table_ops.reshape(-1, TABLE_OP_FIELDS),
-        prompt_ops=prompt_ops,
-        computed=np.stack([computed_rows, computed_values], axis=1).astype(np.int64).reshape(-1, COMPUTED_FIELDS),
-        data=np.concatenate([table_data, prompt_data]).astype(np.int64),
+        table_ops=np.concatenate(ops).reshape(-1, TABLE_OP_FIELDS),
+        prompt_ops=prompt_ops.reshape(-1, PROMPT_OP_FIELDS),
+        computed=computed.reshape(-1, COMPUTED_FIELDS),
+        data=np.concatenate([*data, plan.prompt_tokens.astype(np.int64)]),
     )
 
 
-def table_diff_ops(
-    rows: np.ndarray,  # [k] int64, rows the step touched
-    before: list[np.ndarray],  # per group [k, width_g], those rows' tables before the step
-    after: list[np.ndarray],  # per group [R, width_g], the host mirror's tables after the step
-    counts_after: np.ndarray,  # [G, R] filled entries after the step
-) -> tuple[np.ndarray, np.ndarray]:
-    """Table ops that turn `before` into `after` on the touched rows: one op per (row, group)."""
-    ops, data = [], []
-    data_len = 0
-    for g, (old, new_table) in enumerate(zip(before, after, strict=True)):
-        new = new_table[rows]
-        for i, row in enumerate(rows.tolist()):
-            changed = np.flatnonzero(old[i] != new[i])
-            lo, hi = (int(changed[0]), int(changed[-1]) + 1) if changed.size else (0, 0)
-            ops.append([row, g, lo, hi, int(counts_after[g, row]), data_len])
-            data.append(new[i, lo:hi].astype(np.int64))
-            data_len += hi - lo
-    table_ops = np.array(ops, np.int64).reshape(-1, TABLE_OP_FIELDS)
-    return table_ops, np.concatenate(data) if data else np.zeros(0, np.int64)
+def _segments(writes: GroupWrites, keep: np.ndarray) -> np.ndarray:
+    """The ids of the kept rows' writes, in order."""
+    which, _ = ranges(writes.lengths)
+    return writes.ids[keep[which]]

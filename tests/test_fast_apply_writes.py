@@ -33,6 +33,7 @@ def _random_state(rng: np.random.Generator) -> DeviceState:
     groups = tuple(KVCacheGroup(int(rng.choice([1, 2, 5])), 1000) for _ in range(rng.integers(1, 4)))
     config = WorkerConfig(int(rng.integers(1, 6)), int(rng.integers(1, 300)), 64, 1000, groups)
     dev = DeviceState(config, torch.device("cpu"))
+    dev.reserve_tokens(config.max_model_len)  # the token array grows on demand: make all of it writable here
     dev.token_ids.copy_(torch.from_numpy(rng.integers(0, 1000, dev.token_ids.shape)))
     dev.tables.copy_(torch.from_numpy(rng.integers(0, 1000, dev.tables.shape, dtype=np.int32)))
     dev.num_blocks.copy_(torch.from_numpy(rng.integers(0, 50, dev.num_blocks.shape, dtype=np.int32)))

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import fast
+from conformance.backends import fast_handle
 from fast.runtime import HAVE_TRITON, Kernel, interpret
 from spec.types import CachedRequest, KVCacheGroup, NewRequest, SchedulerOutput, WorkerConfig
 
@@ -126,6 +127,6 @@ def test_pool_keeps_the_kernel_mode_it_was_built_in(launches: Counter[str]) -> N
 def test_backend_handle_builds_pools_in_its_mode(enabled: bool) -> None:
     """fast-interpret's pools run the kernels (separate state), fast's share the host mirror, in any caller's mode."""
     with interpret(not enabled):
-        pool = fast.backend_handle(enabled).make_pool(CONFIG)
+        pool = fast_handle(enabled).make_pool(CONFIG)
     shared = not enabled and not torch.cuda.is_available()
     assert pool._pool.dev.shared is shared  # type: ignore[attr-defined]

@@ -32,6 +32,7 @@ def _random_case(seed: int) -> tuple[DeviceState, dict[str, np.ndarray], int]:
     rows, max_model_len = int(rng.integers(1, 6)), int(rng.integers(1, 40))
     config = WorkerConfig(rows, max_model_len, 10_000, 1000, groups)
     dev = DeviceState(config, torch.device("cpu"))
+    dev.reserve_tokens(config.max_model_len)  # the token array grows on demand: make all of it writable here
     dev.token_ids.copy_(torch.from_numpy(rng.integers(0, 1000, (rows, max_model_len))))
     for g, group in enumerate(groups):
         dev.table(g).copy_(torch.from_numpy(rng.integers(0, group.num_blocks, dev.table(g).shape, dtype=np.int32)))
@@ -95,10 +96,10 @@ def test_cpu_path_matches_spec(seed: int) -> None:
     index_mapping, num_scheduled = arrays["index_mapping"], arrays["num_scheduled"]
     want = _expected(dev, index_mapping, num_scheduled, padded)
     rows, counts = index_mapping.astype(np.int64), num_scheduled.astype(np.int64)
-    token_rows, flat_positions = flatten(rows, counts, dev.num_computed.numpy())
     num_tokens = int(counts.sum())
-    positions = np.zeros(padded, np.int64)
-    positions[:num_tokens] = flat_positions
+    positions = np.full(padded, -7, np.int64)  # stale contents: the padding must be overwritten with 0
+    token_rows = flatten(rows, counts, counts.cumsum(), dev.num_computed.numpy(), out=positions)
+    flat_positions = positions[:num_tokens]
     input_ids = np.full(padded, -7, np.int64)  # stale contents: the padding must be overwritten with 0
     gather_input_ids(dev.token_ids.numpy(), token_rows, flat_positions, input_ids)
     _assert_same("positions", torch.from_numpy(positions), want["positions"])

@@ -270,7 +270,7 @@ def test_mixed_step_takes_the_bulk_path(kernels: bool, monkeypatch: pytest.Monke
         spec_pool, fast_pool = _started_pools(config, first)
         plan = plan_bulk_step(fast_pool.state, step)
         assert plan is not None
-        assert (plan.freed_rows, plan.new_rows) == ([0], [0, 2, 3])
+        assert (plan.freed_rows.tolist(), plan.new_rows.tolist()) == ([0], [0, 2, 3])
 
         def no_fallback(*args: object) -> None:
             raise AssertionError("the mixed step fell back to spec's plan_step")

@@ -15,7 +15,15 @@ from typing import Any
 
 import numpy as np
 
-from spec.types import PAD_SLOT_ID, BatchInputs, PoolSnapshot, RowSnapshot, SchedulerOutput, WorkerConfig
+from spec.types import (
+    PAD_SLOT_ID,
+    BatchInputs,
+    CachedRequestColumns,
+    PoolSnapshot,
+    RowSnapshot,
+    SchedulerOutput,
+    WorkerConfig,
+)
 
 
 class NumpyVectorisedPool:
@@ -26,7 +34,7 @@ class NumpyVectorisedPool:
         self.req_ids: list[str | None] = [None] * rows  # req_state_idx -> req_id
         self.row_of_req: dict[str, int] = {}  # req_id -> req_state_idx
         self.free_rows = list(range(rows))  # a heap: new requests take the lowest row
-        self.token_ids = np.zeros((rows, config.max_model_len), np.int64)  # [R, max_model_len]
+        self.token_ids = np.zeros((rows, config.max_model_len), np.int32)  # [R, max_model_len], int32 as vLLM's
         self.num_tokens = np.zeros(rows, np.int64)  # [R] known tokens
         self.num_computed_tokens = np.zeros(rows, np.int64)  # [R]
         self.num_blocks = np.zeros((len(groups), rows), np.int64)  # [G, R] filled table entries
@@ -52,7 +60,7 @@ class NumpyVectorisedPool:
         for new in sched.new_requests:
             row = heapq.heappop(self.free_rows)
             self.req_ids[row], self.row_of_req[new.req_id] = new.req_id, row
-            prompt = np.asarray(new.prompt_token_ids, np.int64)
+            prompt = np.asarray(new.prompt_token_ids, np.int32)
             self.token_ids[row, : prompt.size] = prompt
             self.num_tokens[row] = prompt.size
             self.num_computed_tokens[row] = new.num_computed_tokens
@@ -60,14 +68,21 @@ class NumpyVectorisedPool:
                 self.block_tables[g][row, : len(ids)] = ids
                 self.num_blocks[g, row] = len(ids)
         cached = sched.cached_requests
-        rows = [self.row_of_req[c.req_id] for c in cached]
-        self.num_computed_tokens[rows] = [c.num_computed_tokens for c in cached]
-        for c, row in zip(cached, rows, strict=True):
-            if c.resumed:
+        if isinstance(cached, CachedRequestColumns):  # vLLM's CachedRequestData: parallel lists
+            req_ids, computed = cached.req_ids, cached.num_computed_tokens
+            added = cached.new_block_ids or [None] * len(req_ids)
+            resumed = [r in cached.resumed_req_ids for r in req_ids] if cached.resumed_req_ids else None
+        else:
+            req_ids, computed = [c.req_id for c in cached], [c.num_computed_tokens for c in cached]
+            added, resumed = [c.new_block_ids for c in cached], [c.resumed for c in cached]
+        rows = [self.row_of_req[r] for r in req_ids]
+        self.num_computed_tokens[rows] = computed
+        for i, row in enumerate(rows):
+            if resumed is not None and resumed[i]:
                 self.num_blocks[:, row] = 0
                 for table in self.block_tables:
                     table[row] = 0
-            for g, ids in enumerate(c.new_block_ids or ()):
+            for g, ids in enumerate(added[i] or ()):
                 if ids:
                     start = self.num_blocks[g, row]
                     self.block_tables[g][row, start : start + len(ids)] = ids
@@ -95,7 +110,7 @@ class NumpyVectorisedPool:
         positions[num_tokens:] = 0
         max_len = self.token_ids.shape[1]
         input_ids = self.input_ids[:padded]
-        np.take(self.token_ids.ravel(), token_rows * max_len + positions[:num_tokens], out=input_ids[:num_tokens])
+        input_ids[:num_tokens] = np.take(self.token_ids.ravel(), token_rows * max_len + positions[:num_tokens])
         input_ids[num_tokens:] = 0
         slot_mappings = []
         for g, group in enumerate(self.config.kv_groups):
