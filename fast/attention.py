@@ -133,15 +133,15 @@ def _paged_attention_torch(
         cut = slice(k_first - first_block * block_size, seq_len - first_block * block_size)
         keys = _gather_blocks(key_cache, blocks, key_buffer)[cut].float()
         values = _gather_blocks(value_cache, blocks, value_buffer)[cut].float()
-        # [num_q, num_heads, D] -> [num_kv_heads, group, num_q, D] (a view); query head h reads KV head h // group
-        q = q_rows.view(num_q, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
         if num_q == 1 and not explicit:
             # a lone query sees every gathered position: the heads sharing a KV head are the rows of one
             # [group, k] problem, so each KV head is read once
-            o = F.scaled_dot_product_attention(q, _heads_first(keys)[:, None], _heads_first(values)[:, None],
-                                               scale=scale)  # fmt: skip
+            q1 = q_rows.view(1, num_kv_heads, group, head_dim)
+            o = F.scaled_dot_product_attention(q1, _heads_first(keys)[None], _heads_first(values)[None], scale=scale)
             out[q_start] = o.view(num_heads, head_dim).to(out.dtype)
             continue
+        # [num_q, num_heads, D] -> [num_kv_heads, group, num_q, D] (a view); query head h reads KV head h // group
+        q = q_rows.view(num_q, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
         # [num_kv_heads, group, k, D]: a stride-0 broadcast over the group, no copy
         k4 = _heads_first(keys)[:, None].expand(num_kv_heads, group, -1, head_dim)
         v4 = _heads_first(values)[:, None].expand(num_kv_heads, group, -1, head_dim)
