@@ -62,13 +62,16 @@ def make_case(
     softcap: float | None = None,
     num_pad: int = 0,
     spare_blocks: int = 3,
+    run_blocks: int = 1,
 ) -> Case:
+    """run_blocks: physical ids come in runs of that many consecutive blocks (in shuffled order)."""
     rng = np.random.default_rng(seed)
     seq_lens = [computed + scheduled for computed, scheduled in requests]
     blocks_needed = [-(-s // block_size) for s in seq_lens]
     max_blocks = max(blocks_needed) + 1  # at least one trailing unused (null) entry per row
     num_blocks = 1 + sum(blocks_needed) + spare_blocks
-    physical = rng.permutation(np.arange(1, num_blocks))  # block 0 is the null block
+    runs = np.array_split(np.arange(1, num_blocks), max(1, (num_blocks - 1) // run_blocks))
+    physical = np.concatenate([runs[i] for i in rng.permutation(len(runs))])  # block 0 is the null block
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     key_cache, value_cache = np.full(shape, np.nan), np.full(shape, np.nan)
     block_table = np.zeros((len(requests), max_blocks), np.int32)
@@ -239,3 +242,23 @@ def test_paged_attention_strided_caches(mode: str) -> None:
     ints = (torch.from_numpy(a) for a in (case.block_table, case.seq_lens, case.query_start_loc))
     out = paged_attention(torch.from_numpy(case.query).float(), key_cache, value_cache, *ints, **case.kwargs)  # type: ignore[arg-type]
     assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize(("sliding_window", "softcap"), [(None, None), (41, None), (None, 5.0), (57, 3.0)])
+def test_decode_reads_runs_of_blocks_in_place(monkeypatch: pytest.MonkeyPatch, sliding_window: int | None,
+                                              softcap: float | None) -> None:  # fmt: skip
+    """Decode rows whose tables hold runs of consecutive blocks are read in place, run by run, never gathered;
+    windows cut into the first run, seq_len into the last."""
+    import fast.attention
+
+    requests = [(70, 1), (45, 1), (99, 1), (3, 1)]  # 4 to 25 blocks of 4
+    run_blocks = 4 * fast.attention.MIN_RUN_BLOCKS  # a window of >= 10 blocks then spans <= 2 runs
+    case = make_case(5, torch.float32, requests, block_size=4, num_kv_heads=2, group=3, head_dim=8,
+                     sliding_window=sliding_window, softcap=softcap, run_blocks=run_blocks)  # fmt: skip
+
+    def no_gather(*args: object) -> None:
+        raise AssertionError("a decode row over long runs of blocks was gathered")
+
+    monkeypatch.setattr(fast.attention, "_gather_blocks", no_gather)
+    with interpret(False):
+        check_against_spec(case, torch.float32)
