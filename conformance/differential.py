@@ -22,11 +22,12 @@ import numpy as np
 
 import spec
 from conformance.backends import BackendHandle
+from conformance.driving import draft_fields
 from conformance.scenario import AttentionSpec, Scenario
 from conformance.scheduler import ReferenceScheduler
 from conformance.tolerance import assert_attention_close, spec_in_dtype
 from spec.errors import ScheduleError
-from spec.types import BatchInputs, PoolSnapshot, SchedulerOutput, WorkerConfig
+from spec.types import PLACEHOLDER_TOKEN_ID, BatchInputs, PoolSnapshot, SchedulerOutput, WorkerConfig
 
 COUNTS: collections.Counter[str] = collections.Counter()  # steps, requests, invalid; also per candidate
 
@@ -37,7 +38,8 @@ class Step:
 
     out: SchedulerOutput
     pad_to: int | None
-    sampled: tuple[int, ...]  # [num_reqs] per batch row
+    # [num_reqs] one id per batch row, or [num_reqs][width] each row's kept tokens padded with -1 (with drafts)
+    sampled: tuple[int, ...] | tuple[tuple[int, ...], ...]
 
 
 @dataclass(frozen=True)
@@ -93,7 +95,7 @@ class Pair:
 
     # ---- valid steps ------------------------------------------------------------------------
     def run_step(
-        self, out: SchedulerOutput, pad_to: int | None, sampled: Callable[[BatchInputs], Sequence[int]]
+        self, out: SchedulerOutput, pad_to: int | None, sampled: Callable[[BatchInputs], Sequence[Any]]
     ) -> Step:
         self.pending = Step(out, pad_to, ())
         self._call("apply", lambda side: side.pool.apply(out))
@@ -103,7 +105,7 @@ class Pair:
         self.compare_batches(ref_batch, cand_batch)
         if self.attention is not None:
             self.compare_kv_and_attention(ref_batch, cand_batch)
-        tokens = tuple(int(t) for t in sampled(ref_batch))
+        tokens = _frozen(sampled(ref_batch))
         self.pending = Step(out, pad_to, tokens)
         ids = np.array(tokens, np.int64)
         self.ref.pool.record_sampled(ref_batch, self.ref.handle.asarray(ids))
@@ -149,6 +151,15 @@ class Pair:
                 problems.append(_array_difference(name, want, got))
             elif want != got:
                 problems.append(f"{name}: {got!r}, expected {want!r}")
+        ref_drafts = draft_fields(self.ref.handle, ref_batch)
+        cand_drafts = draft_fields(self.cand.handle, cand_batch)
+        for name, want in ref_drafts.items():
+            got = cand_drafts[name]
+            if want is None or got is None:
+                if (want is None) != (got is None):
+                    problems.append(f"{name}: {got!r}, expected {want!r}")
+            else:
+                problems.append(_array_difference(name, want, got))
         problems = [p for p in problems if p]
         if problems:
             raise MismatchError("BatchInputs differ:\n  " + "\n  ".join(problems))
@@ -265,20 +276,26 @@ class DifferentialRun:
                 COUNTS["invalid"] += 1
         takes = set(sched.sampling_req_ids(out))
         stops = {r: sorted(sched.requests[r].spec.stop_token_ids) for r in takes}
+        kept: dict[str, tuple[int, ...]] = {}
 
-        def sample(batch: BatchInputs) -> list[int]:
-            tokens = []
+        def sample(batch: BatchInputs) -> tuple[int, ...] | tuple[tuple[int, ...], ...]:
+            target = []
             for req_id in batch.req_ids:
                 if stops.get(req_id) and self.sample_rng.random() < 0.1:
-                    tokens.append(int(self.sample_rng.choice(stops[req_id])))
+                    target.append(int(self.sample_rng.choice(stops[req_id])))
                 else:
-                    tokens.append(int(self.sample_rng.integers(config.vocab_size)))
-            return tokens
+                    target.append(int(self.sample_rng.integers(config.vocab_size)))
+            targets = dict(zip(batch.req_ids, target, strict=True))
+            kept.update(sched.rejection_step(out, {r: t for r, t in targets.items() if r in takes}))
+            rows = [kept.get(r, (t,)) for r, t in targets.items()]
+            if not out.scheduled_spec_decode_tokens and self.sample_rng.random() < 0.8:
+                return tuple(t for (t,) in rows)  # today's [num_reqs] form
+            width = max((len(r) for r in rows), default=1) + int(self.sample_rng.integers(2))  # extra -1 columns
+            return tuple((*r, *[PLACEHOLDER_TOKEN_ID] * (width - len(r))) for r in rows)
 
         step = self.pair.run_step(out, pad_to, sample)
         self.history.append(step)
-        order = _batch_req_ids(out)
-        sched.update(out, {r: t for r, t in zip(order, step.sampled, strict=True) if r in takes})
+        sched.update(out, kept)
         self.pair.compare_snapshots("after the step", expected=sched.expected_snapshot())
         self.steps += 1
         COUNTS["steps"] += 1
@@ -292,9 +309,11 @@ class DifferentialRun:
                             self.scenario.seed)  # fmt: skip
 
 
-def _batch_req_ids(out: SchedulerOutput) -> list[str]:
-    """batch_idx -> req_id as DESIGN 5 orders the batch (stable sort by tokens ascending)."""
-    return [r for r, _ in sorted(out.num_scheduled_tokens.items(), key=lambda item: item[1])]
+def _frozen(sampled: Sequence[Any]) -> tuple[int, ...] | tuple[tuple[int, ...], ...]:
+    """The ids handed to record_sampled as nested tuples (for a reproduction's repr)."""
+    if all(isinstance(row, Sequence) for row in sampled) and len(sampled):
+        return tuple(tuple(int(t) for t in row) for row in sampled)
+    return tuple(int(t) for t in sampled)
 
 
 def replay(

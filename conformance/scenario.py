@@ -19,6 +19,8 @@ KV_CACHE_ELEMENT_LIMIT = 1 << 21  # larger caches ("huge num_blocks") skip the K
 HUGE_SLOTS = 1 << 31  # a huge group's slots reach past int32
 MAX_BLOCKS = 1 << 31  # block ids are int32 (spec.types.BLOCK_ID_DTYPE)
 ATTENTION_DTYPES = ("float32", "float16")
+SPEC_TOKENS = (0, 0, 1, 2, 3, 5)  # most drafts per request per step; 0 (no speculative decoding) a third of the time
+ACCEPTANCE_RATES = (0.0, 0.5, 0.8, 1.0)
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,8 @@ def random_scenario(seed: int) -> Scenario:
         pad_buckets=rng.choice(((), (8, 16, 32, 64, 128, 256), (rng.randint(1, 300),))),
         abort_prob=rng.choice((0.0, 0.0, 0.05)),
         shuffle_order=rng.random() < 0.5,
+        spec_tokens=rng.choice(SPEC_TOKENS),
+        acceptance_rate=rng.choice(ACCEPTANCE_RATES),
     )
     workload = make_workload(
         rng.randrange(2**32),

@@ -11,12 +11,14 @@ import random
 from hypothesis import strategies as st
 
 from conformance.scenario import (
+    ACCEPTANCE_RATES,
     ATTENTION_DTYPES,
     BLOCK_SIZES,
     HUGE_SLOTS,
     KV_CACHE_ELEMENT_LIMIT,
     MAX_BLOCKS,
     MAX_MODEL_LEN,
+    SPEC_TOKENS,
     AttentionSpec,
     Scenario,
     cache_elements,
@@ -101,6 +103,8 @@ def scheduler_knobs(draw: st.DrawFn, config: WorkerConfig) -> SchedulerKnobs:
         pad_buckets=draw(buckets),
         abort_prob=draw(st.sampled_from([0.0, 0.05])),
         shuffle_order=draw(st.booleans()),
+        spec_tokens=draw(st.sampled_from(SPEC_TOKENS)),
+        acceptance_rate=draw(st.sampled_from(ACCEPTANCE_RATES)),
     )
 
 

@@ -6,6 +6,8 @@ Config: block size 4, so positions 8.. of a request live in its third block.
 
 from __future__ import annotations
 
+import dataclasses
+import random
 from collections.abc import Callable
 
 import numpy as np
@@ -13,7 +15,10 @@ import pytest
 
 import spec
 from conformance.backends import BackendHandle
+from conformance.differential import DifferentialRun
 from conformance.driving import draft_fields, sampled_array, step
+from conformance.mutations_drafts import DRAFT_BREAKERS, break_drafts
+from conformance.scenario import random_scenario
 from spec import CachedRequest, KVCacheGroup, NewRequest, SchedulerOutput, WorkerConfig
 from spec.protocol import StatePool
 
@@ -247,3 +252,27 @@ def test_accepted_tokens_past_max_model_len_are_rejected(backend: BackendHandle)
     assert pool.snapshot() == before
     pool.record_sampled(batch, backend.asarray(np.array([[7, 8]])))  # 8 tokens: exactly max_model_len
     assert _tokens(pool, "x") == (1, 2, 3, 4, 5, 6, 7, 8)
+
+
+@pytest.mark.parametrize("cls", list(DRAFT_BREAKERS), ids=lambda c: c.__name__)
+def test_every_draft_fault_is_provoked_and_survived(backend: BackendHandle, cls: type[spec.ScheduleError]) -> None:
+    """Some early step of some drafting scenario can be broken into `cls` by its drafts; both raise exactly it."""
+    for seed in range(60):
+        scenario = random_scenario(seed)
+        knobs = dataclasses.replace(scenario.knobs, spec_tokens=3)
+        run = DifferentialRun(dataclasses.replace(scenario, attention=None, knobs=knobs), backend)
+        rng = random.Random(seed)
+
+        def broken(
+            out: SchedulerOutput, config: WorkerConfig, snapshot: spec.PoolSnapshot, rng: random.Random = rng
+        ) -> tuple[SchedulerOutput, type[spec.ScheduleError]] | None:
+            return break_drafts(cls, out, config, snapshot, rng)
+
+        for _ in range(8):
+            if run.done():
+                break
+            run.step(broken)
+            if run.rejected[cls.__name__]:
+                run.step()  # and the pool keeps working after the rejection
+                return
+    pytest.fail(f"no scenario offered a draft fault of class {cls.__name__}")

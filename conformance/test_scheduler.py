@@ -9,11 +9,11 @@ from __future__ import annotations
 import collections
 import random
 
-import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 
 import spec
+from conformance.driving import sampled_array
 from conformance.scenario import Scenario, random_scenario
 from conformance.scheduler import BlockAllocator, ReferenceScheduler, SchedulerKnobs, Workload, WorkloadRequest
 from conformance.scheduler.request import Status
@@ -36,9 +36,10 @@ def _run(
         pool.apply(out)  # raises on any invalid output
         batch = pool.prepare(out, sched.pad_to(out))
         takes = sched.sampling_req_ids(out)
-        sampled = [rng.randrange(scenario.config.vocab_size) for _ in batch.req_ids]
-        pool.record_sampled(batch, np.array(sampled))
-        sched.update(out, {r: t for r, t in zip(batch.req_ids, sampled, strict=True) if r in takes})
+        sampled = {r: rng.randrange(scenario.config.vocab_size) for r in batch.req_ids}
+        kept = sched.rejection_step(out, {r: t for r, t in sampled.items() if r in takes})
+        pool.record_sampled(batch, sampled_array([kept.get(r, t) for r, t in sampled.items()]))
+        sched.update(out, kept)
         assert pool.snapshot() == sched.expected_snapshot()
         if check_each_step:
             _check_allocators(sched)
@@ -86,6 +87,11 @@ def test_seeded_runs_exercise_every_feature() -> None:
             stop_token=stats.stopped_by_token,
             abort=stats.aborted,
             padded=stats.padded_steps,
+            drafts=stats.drafts_scheduled,
+            all_drafts_accepted=stats.all_drafts_accepted,
+            no_draft_accepted=stats.no_draft_accepted,
+            drafts_on_prefill=stats.drafts_on_prefill,
+            drafts_crossing_blocks=stats.drafts_crossing_blocks,
         )
         for out in outs:
             tokens = list(out.num_scheduled_tokens.values())
@@ -98,6 +104,10 @@ def test_seeded_runs_exercise_every_feature() -> None:
                 for r in out.cached_requests
             )
             seen["finished and new in one step"] += bool(out.finished_req_ids) and bool(out.new_requests)
+            drafting = {r for r, d in out.scheduled_spec_decode_tokens.items() if d}
+            seen["drafts and plain decodes in one step"] += bool(drafting) and any(
+                n == 1 and r not in drafting for r, n in out.num_scheduled_tokens.items()
+            )
     missing = [
         f
         for f in (
@@ -114,6 +124,12 @@ def test_seeded_runs_exercise_every_feature() -> None:
             "null block in a table",
             "chunked prefill",
             "finished and new in one step",
+            "drafts",
+            "all_drafts_accepted",
+            "no_draft_accepted",
+            "drafts_on_prefill",
+            "drafts_crossing_blocks",
+            "drafts and plain decodes in one step",
         )
         if not seen[f]
     ]
@@ -174,3 +190,28 @@ def test_allocator_evicts_cached_hash_on_reuse_and_honours_exclusions() -> None:
     assert alloc.allocate(1, exclude={b}) == [c]  # freed order is b, c, a; b is excluded
     assert alloc.allocate(1) == [b]
     assert alloc.allocate(1) == [a] and alloc.lookup(111) is None  # reused: no longer a cached prefix
+
+
+def test_drafts_roll_back_and_keep_their_blocks() -> None:
+    """After a step whose drafts were partly rejected, the next output's num_computed_tokens is known - 1,
+    and the blocks allocated for rejected drafts stay in the request's table."""
+    config = WorkerConfig(2, 64, 64, 50, (KVCacheGroup(2, 80),))
+    workload = Workload((WorkloadRequest("r", 0, (1, 2, 3), 40),))
+    sched = ReferenceScheduler(config, workload, SchedulerKnobs(spec_tokens=4, acceptance_rate=0.5), seed=3)
+    pool = spec.RequestStatePool(config)
+    rejected, table = 0, 0
+    while not sched.done():
+        out = sched.schedule()
+        pool.apply(out)
+        batch = pool.prepare(out)
+        kept = sched.rejection_step(out, dict.fromkeys(sched.sampling_req_ids(out), 7))
+        pool.record_sampled(batch, sampled_array([kept.get(r, 7) for r in batch.req_ids]))
+        sched.update(out, kept)
+        assert pool.snapshot() == sched.expected_snapshot()
+        req = sched.requests["r"]
+        if "r" in kept and req.status is Status.RUNNING:
+            assert req.num_computed == req.num_tokens - 1  # rolled back past every rejected draft
+            rejected += len(out.scheduled_spec_decode_tokens.get("r", ())) - (len(kept["r"]) - 1)
+            assert len(req.blocks[0]) >= table  # a rollback frees nothing
+            table = len(req.blocks[0])
+    assert rejected > 0 and sched.stats.drafts_accepted > 0

@@ -21,12 +21,19 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+from conformance import mutations
 from conformance.backends import BackendHandle
-from conformance.differential import Budget, DifferentialRun, MismatchError, budget_for, one_torch_thread
-from conformance.mutations import breaker
+from conformance.differential import Breaker, Budget, DifferentialRun, MismatchError, budget_for, one_torch_thread
+from conformance.mutations_drafts import with_draft_faults
 from conformance.scenario import Scenario
 from conformance.strategies import breakages, scenarios
 from spec.errors import ScheduleError
+
+
+def breaker(cls: type[ScheduleError], rng: random.Random) -> Breaker:
+    """conformance.mutations' breaker, with the draft faults of conformance.mutations_drafts."""
+    break_output = with_draft_faults(mutations.break_output)
+    return lambda out, config, snapshot: break_output(cls, out, config, snapshot, rng)
 
 
 def _machine(backend: BackendHandle, budget: Budget) -> type[RuleBasedStateMachine]:
@@ -91,6 +98,12 @@ def test_state_machine_catches_a_planted_bug(seed: int) -> None:
     with one_torch_thread(), pytest.raises(MismatchError):
         run_state_machine_as_test(
             _machine(broken_backend(), budget),
-            settings=settings(max_examples=budget.examples, stateful_step_count=10, deadline=None, database=None,
-                              derandomize=True, suppress_health_check=list(HealthCheck)),
+            settings=settings(
+                max_examples=budget.examples,
+                stateful_step_count=10,
+                deadline=None,
+                database=None,
+                derandomize=True,
+                suppress_health_check=list(HealthCheck),
+            ),
         )

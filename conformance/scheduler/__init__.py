@@ -13,10 +13,13 @@ Usage (every output is valid for the spec pool; `expected_snapshot()` says what 
         batch = pool.prepare(out, pad_to)
         takes = sched.sampling_req_ids(out)         # the requests whose step reaches their last known token
         sampled = [token_for(r) for r in batch.req_ids]  # one per batch row; rows not in `takes` are discarded
-        pool.record_sampled(batch, sampled)
-        sched.update(out, {r: t for r, t in zip(batch.req_ids, sampled) if r in takes})
+        kept = sched.rejection_step(out, {r: t for r, t in zip(batch.req_ids, sampled) if r in takes})
+        pool.record_sampled(batch, sampled_array([kept.get(r, t) for r, t in zip(batch.req_ids, sampled)]))
+        sched.update(out, kept)                     # with knobs.spec_tokens > 0, outputs carry drafts
         assert pool.snapshot() == sched.expected_snapshot()
-    sched.stats  # preemptions, prefix_hit_tokens, full_prefix_hits, window_releases, finished, block_usage, ...
+    sched.stats  # preemptions, prefix_hit_tokens, window_releases, drafts_accepted, block_usage, ...
+
+(`sampled_array` is conformance.driving's: ids per row, padded with -1 into [num_reqs, width] when a row has several.)
 
 Finishing: a request finishes when it samples one of its stop tokens or reaches max_new_tokens (or
 max_model_len); its row is released in the next output's finished_req_ids. The abort knob finishes
@@ -25,6 +28,7 @@ conformance.strategies; the differential driver in conformance.differential.
 """
 
 from conformance.scheduler.allocator import BlockAllocator
+from conformance.scheduler.drafter import Drafter
 from conformance.scheduler.knobs import SchedulerKnobs
 from conformance.scheduler.scheduler import ReferenceScheduler
 from conformance.scheduler.stats import SchedulerStats
@@ -39,6 +43,7 @@ from conformance.scheduler.workload import (
 
 __all__ = [
     "BlockAllocator",
+    "Drafter",
     "ReferenceScheduler",
     "RequestShape",
     "SchedulerKnobs",

@@ -16,3 +16,5 @@ class SchedulerKnobs:
     pad_buckets: tuple[int, ...] = ()  # pad each step's token count up to the smallest bucket that fits
     abort_prob: float = 0.0  # chance per step that one live request is aborted (finished without output)
     shuffle_order: bool = False  # shuffle num_scheduled_tokens' order (the batch sort's tie-break)
+    spec_tokens: int = 0  # most draft tokens per request per step (speculative decoding; 0: none)
+    acceptance_rate: float = 0.6  # chance that the rejection step accepts each draft, in turn

@@ -11,6 +11,12 @@ Per step (`schedule`):
     cached prefix blocks (chained block hashes; a hit is cut to a multiple of every group's block size,
     except that a fully cached sequence recomputes just its last token inside the shared block).
 
+Speculative decoding (knob `spec_tokens`): a running request whose chunk reaches its last known token
+may carry drafts (conformance.scheduler.drafter), trimmed, as vLLM trims them, to what the budget, the
+chunk limit and the blocks allow; blocks are allocated for the draft positions too. After the step the
+rejection step (`rejection_step`) says which drafts the target kept; `update` appends the kept tokens and
+rolls num_computed back past the rejected drafts, whose blocks the request keeps.
+
 Two constraints of the pool shape the model beyond vLLM's: a block may not appear twice in one row's
 table, and the pool never learns that a window released a block (the id stays in the row's table), so
 a request is never handed a block still listed in its own row; and no two tokens of one step may
@@ -22,8 +28,10 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Mapping, Sequence
 
 from conformance.scheduler.allocator import BlockAllocator
+from conformance.scheduler.drafter import Drafter
 from conformance.scheduler.knobs import SchedulerKnobs
 from conformance.scheduler.request import SchedRequest, Status
 from conformance.scheduler.stats import SchedulerStats
@@ -60,6 +68,7 @@ class ReferenceScheduler:
         self.token_budget = min(knobs.token_budget or config.max_num_batched_tokens, config.max_num_batched_tokens)
         self.max_running = min(knobs.max_running or config.max_num_reqs, config.max_num_reqs)
         self.max_chunk = knobs.max_chunk or config.max_model_len
+        self.drafter = Drafter(knobs.spec_tokens, knobs.acceptance_rate, config.vocab_size, seed * 17 + 5)
 
     # ---- public API -------------------------------------------------------------------------
     def done(self) -> bool:
@@ -92,9 +101,12 @@ class ReferenceScheduler:
             cached_requests=tuple(step.cached),
             num_scheduled_tokens=dict(scheduled),
             finished_req_ids=frozenset(finished),
+            scheduled_spec_decode_tokens=dict(step.drafts),
         )
         self._sampling = tuple(
-            r for r, n in step.scheduled if self.requests[r].num_computed + n == self.requests[r].num_tokens
+            r
+            for r, n in step.scheduled
+            if self.requests[r].num_computed + n == self.requests[r].num_tokens + len(step.drafts.get(r, ()))
         )
         self._last = out
         self.step_index += 1
@@ -118,27 +130,54 @@ class ReferenceScheduler:
             raise RuntimeError("not the output being executed")
         return self._sampling
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> None:
-        """The step ran: advance progress, cache full blocks, append sampled tokens, finish requests."""
+    def rejection_step(self, out: SchedulerOutput, target: Mapping[str, int]) -> dict[str, tuple[int, ...]]:
+        """Per sampling request of `out`, the tokens a rejection sampler keeps, given the target's token there."""
+        if out is not self._last:
+            raise RuntimeError("not the output being executed")
+        kept = {}
+        for req_id in self._sampling:
+            drafts = out.scheduled_spec_decode_tokens.get(req_id, ())
+            kept[req_id] = self.drafter.accept(drafts, int(target[req_id])) if drafts else (int(target[req_id]),)
+        return kept
+
+    def update(self, out: SchedulerOutput, sampled: Mapping[str, int | Sequence[int]]) -> None:
+        """The step ran: advance progress (back past rejected drafts), append kept tokens, cache blocks, finish.
+
+        `sampled[req_id]` is the sampled token, or with drafts the tokens the rejection step kept.
+        """
         if out is not self._last:
             raise RuntimeError("update() must receive the output of the last schedule()")
         if set(sampled) != set(self._sampling):
             raise ValueError(f"sampled tokens for {sorted(sampled)}, expected {sorted(self._sampling)}")
+        kept = {r: (int(t),) if isinstance(t, int) else tuple(int(x) for x in t) for r, t in sampled.items()}
         for req_id, n in out.num_scheduled_tokens.items():
             req = self.requests[req_id]
             req.num_computed += n
+            if req_id in kept:
+                self._keep(req, tuple(out.scheduled_spec_decode_tokens.get(req_id, ())), kept[req_id])
             self._register_full_blocks(req)
         for req_id in self._sampling:
-            req, token = self.requests[req_id], int(sampled[req_id])
-            req.tokens.append(token)
-            req.num_output += 1
-            if token in req.spec.stop_token_ids:
+            req = self.requests[req_id]
+            if any(t in req.spec.stop_token_ids for t in kept[req_id]):
                 self.stats.stopped_by_token += 1
                 self._finish(req)
             elif req.num_output >= req.spec.max_new_tokens or req.num_tokens >= self.config.max_model_len:
                 self._finish(req)
         self._last = None
         self._sampling = ()
+
+    def _keep(self, req: SchedRequest, drafts: tuple[int, ...], tokens: tuple[int, ...]) -> None:
+        """Append the kept tokens and roll num_computed back past the drafts that were rejected."""
+        if not 1 <= len(tokens) <= len(drafts) + 1 or tokens[:-1] != drafts[: len(tokens) - 1]:
+            raise ValueError(f"{req.req_id}: kept {tokens} is not accepted drafts of {drafts} plus one token")
+        accepted = len(tokens) - 1
+        req.num_computed -= len(drafts) - accepted  # their KV is stale: the next step writes those positions again
+        req.tokens.extend(tokens)
+        req.num_output += len(tokens)
+        if drafts:
+            self.stats.drafts_accepted += accepted
+            self.stats.all_drafts_accepted += accepted == len(drafts)
+            self.stats.no_draft_accepted += accepted == 0
 
     def expected_snapshot(self) -> tuple[RowSnapshot, ...]:
         """The pool's snapshot after the last output was applied and its samples recorded (derived here)."""
@@ -164,16 +203,33 @@ class ReferenceScheduler:
         while i < len(self.running) and step.budget > 0 and len(step.scheduled) < self.max_running:
             req = self.running[i]
             self._release_out_of_window(req)
-            want = min(req.num_tokens - req.num_computed, step.budget, self.max_chunk)
+            drafts = self.drafter.propose(self._draft_room(req))
+            want = min(req.num_tokens + len(drafts) - req.num_computed, step.budget, self.max_chunk)
             n = self._make_room(req, want, step, finished)
             if n == 0:
                 continue  # req left the running list (preempted or aborted); index i is the next one
             new_ids = self._grow(req, n)
             step.add(req.req_id, n)
+            self._schedule_drafts(req, drafts[: max(0, req.num_computed + n - req.num_tokens)], step)
             step.cached.append(
                 CachedRequest(req.req_id, req.num_computed, new_ids if any(new_ids) else None, resumed=False)
             )
             i += 1
+
+    def _draft_room(self, req: SchedRequest) -> int:
+        """Most drafts req may carry: each kept one is an output token, and one more token always follows."""
+        by_length = self.config.max_model_len - req.num_tokens - 1
+        return min(by_length, req.spec.max_new_tokens - req.num_output - 1)
+
+    def _schedule_drafts(self, req: SchedRequest, drafts: list[int], step: _Step) -> None:
+        """The drafts left after trimming: the step's last len(drafts) tokens."""
+        if not drafts:
+            return
+        step.drafts[req.req_id] = tuple(drafts)
+        self.stats.drafts_scheduled += len(drafts)
+        self.stats.drafts_on_prefill += req.num_tokens - req.num_computed > 1
+        first, last = req.num_tokens - 1, req.num_tokens + len(drafts) - 1  # verifying token .. last draft
+        self.stats.drafts_crossing_blocks += any(first // g.block_size != last // g.block_size for g in self.groups)
 
     def _make_room(self, req: SchedRequest, want: int, step: _Step, finished: list[str]) -> int:
         """Tokens `req` can run now, preempting newer running requests for blocks; 0 if req itself left."""
@@ -377,6 +433,7 @@ class _Step:
         self.budget = budget
         self.written = written  # per group: slots a shared block receives this step
         self.scheduled: list[tuple[str, int]] = []
+        self.drafts: dict[str, tuple[int, ...]] = {}  # req_id -> the drafts it carries (scheduled_spec_decode_tokens)
         self.new: list[NewRequest] = []
         self.cached: list[CachedRequest] = []
         self.preempted: set[str] = set()

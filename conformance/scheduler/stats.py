@@ -20,4 +20,10 @@ class SchedulerStats:
     full_prefix_hits: int = 0  # whole known sequence cached: the last token is recomputed in a shared block
     window_releases: int = 0  # blocks released by sliding windows
     padded_steps: int = 0
+    drafts_scheduled: int = 0  # draft tokens sent in scheduled_spec_decode_tokens
+    drafts_accepted: int = 0
+    all_drafts_accepted: int = 0  # drafting request-steps that kept every draft
+    no_draft_accepted: int = 0  # and that kept none
+    drafts_on_prefill: int = 0  # drafts riding on a chunk that also computes prompt tokens
+    drafts_crossing_blocks: int = 0  # drafting request-steps whose drafts start or cross a block of some group
     block_usage: list[list[int]] = field(default_factory=list)  # per step: blocks in use per group
