@@ -115,10 +115,12 @@ class RequestStatePool:
                 continue
             table = state.block_tables[g]
             appended = ~w.replaced
-            for i in np.flatnonzero(w.replaced).tolist():  # new or resumed: few rows, whole tables
-                start = int(w.lengths[:i].sum())
-                table[w.rows[i]] = NULL_BLOCK_ID
-                table[w.rows[i], : w.lengths[i]] = w.ids[start : start + w.lengths[i]]
+            if w.replaced.any():  # new or resumed requests: few rows, whole tables
+                ends = w.lengths.cumsum().tolist()
+                for i in np.flatnonzero(w.replaced).tolist():
+                    start, end, row = ends[i] - int(w.lengths[i]), ends[i], w.rows[i]
+                    table[row] = NULL_BLOCK_ID
+                    table[row, : end - start] = w.ids[start:end]
             if w.ids.size == w.rows.size and appended.all():  # one id per row (decodes crossing a block boundary)
                 table[w.rows, w.starts] = w.ids
             elif appended.any():
