@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -26,6 +27,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 import spec
+import spec.interop
 from spec.protocol import Backend, StatePool
 from spec.types import BatchInputs, PoolSnapshot, SchedulerOutput, WorkerConfig
 
@@ -121,11 +123,16 @@ class _ModeBackend:
 
     def __init__(self, device: Any, enabled: bool) -> None:
         import fast
+        import fast.interop
 
         self.device = device
         self.enabled = enabled
         self.write_kv = _in_mode(fast.write_kv, enabled)
         self.paged_attention = _in_mode(fast.paged_attention, enabled)
+        # the engine layouts (optional part of a backend, docs/porting.md), in the same kernel mode
+        self.interop = types.SimpleNamespace(
+            **{name: _in_mode(getattr(fast.interop, name), enabled) for name in INTEROP_FUNCTIONS}
+        )
 
     def RequestStatePool(self, config: WorkerConfig) -> _ModePool:  # noqa: N802 - spec.Backend's name
         import fast
@@ -158,6 +165,8 @@ def canonical_name(name: str) -> str:
 
     return "fast-interpret" if interpret_enabled() and not torch.cuda.is_available() else "fast"
 
+
+INTEROP_FUNCTIONS = ("paged_kv_layout", "paged_attention", "sglang_layout", "flash_attn_metadata")
 
 BUILTIN: dict[str, Callable[[], BackendHandle]] = {
     "spec": lambda: BackendHandle("spec", spec),

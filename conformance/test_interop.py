@@ -6,18 +6,15 @@ each step's batch is turned into every layout of spec.interop by spec and by the
 module, and the two must be equal (values, dtypes, shapes). FlashInfer's paged attention, reading the
 CSR layout, must equal spec's block-table attention within conformance.tolerance's rule.
 
-A backend's interop module is `handle.module.interop` when it has one; spec's and fast's are found by
-the handle's name (conformance/backends.py does not carry one yet). A third-party backend without
-one is skipped: the layouts are an optional part of the interface (docs/porting.md).
+A backend's interop functions are `handle.module.interop` (spec's module has one, and fast's handle
+carries fast.interop in its kernel mode). A third-party backend without one is skipped: the layouts
+are an optional part of the interface (docs/porting.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import importlib
-import types
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -25,15 +22,13 @@ import pytest
 
 import spec
 import spec.interop
-from conformance.backends import BackendHandle
+from conformance.backends import INTEROP_FUNCTIONS, BackendHandle
 from conformance.differential import one_torch_thread
 from conformance.scenario import AttentionSpec, Scenario, random_scenario
 from conformance.scheduler import ReferenceScheduler, SchedulerKnobs, SchedulerStats, make_workload
 from conformance.tolerance import assert_attention_close, spec_in_dtype
 from spec.interop import V2RowPolicy, host_counts
 from spec.types import BatchInputs, KVCacheGroup, SchedulerOutput, WorkerConfig
-
-INTEROP_FUNCTIONS = ("paged_kv_layout", "paged_attention", "sglang_layout", "flash_attn_metadata")
 
 
 @pytest.fixture(autouse=True)
@@ -43,27 +38,11 @@ def _single_thread() -> Iterator[None]:
 
 
 def interop_of(handle: BackendHandle) -> Any:
-    """The backend's interop functions, run in the handle's kernel mode."""
+    """The backend's interop functions (`module.interop`: spec's module, fast's handle in its kernel mode)."""
     own = getattr(handle.module, "interop", None)
-    if own is not None:
-        return own
-    if handle.name == "spec":
-        return spec.interop
-    if handle.name in ("fast", "fast-interpret"):
-        module = importlib.import_module("fast.interop")
-        runtime = importlib.import_module("fast.runtime")
-        enabled = handle.name == "fast-interpret"
-
-        def in_mode(fn: Callable[..., Any]) -> Callable[..., Any]:
-            @functools.wraps(fn)
-            def run(*args: Any, **kwargs: Any) -> Any:
-                with runtime.interpret(enabled):
-                    return fn(*args, **kwargs)
-
-            return run
-
-        return types.SimpleNamespace(**{name: in_mode(getattr(module, name)) for name in INTEROP_FUNCTIONS})
-    pytest.skip(f"backend {handle.name!r} has no `interop` attribute with {', '.join(INTEROP_FUNCTIONS)}")
+    if own is None:
+        pytest.skip(f"backend {handle.name!r} has no `interop` attribute with {', '.join(INTEROP_FUNCTIONS)}")
+    return own
 
 
 def _stress_scenario(seed: int) -> Scenario:
