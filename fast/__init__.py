@@ -9,8 +9,8 @@ Kernel modes (fast/runtime.py):
 - CPU tensors: vectorised torch ops, unless the environment variable SLOTMAP_TRITON_INTERPRET=1 is set
   (before running; any value other than "" or "0" turns it on), which runs the same Triton kernels
   through Triton's interpreter on CPU, so machines without a GPU still execute the kernel code.
-  `fast.runtime.interpret(True/False)` overrides the variable for a block of code, and
-  `backend_handle(interpret)` pins the mode for everything a conformance backend runs.
+  `fast.runtime.interpret(True/False)` overrides the variable for a block of code (the conformance
+  suite's `fast` and `fast-interpret` handles, conformance/backends.py, pin one mode each this way).
 A pool fixes its mode when it is built. On plain CPU (no interpreter) the device is the host: the
 pool's tensors share memory with its host mirror, so apply's commit is the device write and prepare is
 NumPy index arithmetic wrapped as tensors. Under Triton (CUDA, or the interpreter) the pool keeps

@@ -1,7 +1,6 @@
 """fast offers spec's interface: the same public names, the same objects for shared types, the same signatures.
 
 Documented differences, and only these:
-- fast also exports `backend_handle` (the conformance hook, conformance/backends.py).
 - fast.RequestStatePool.__init__ takes an extra, defaulted `device` parameter.
 - array annotations name the backend's array type: np.ndarray in spec, torch.Tensor in fast.
 tests/typecheck_backends.py has mypy check both modules against the spec.Backend Protocol.
@@ -19,7 +18,6 @@ import pytest
 import fast
 import spec
 
-FAST_ONLY = {"backend_handle"}
 IMPLEMENTED = {"RequestStatePool", "write_kv", "paged_attention"}  # fast's own; everything else is spec's object
 
 
@@ -33,7 +31,7 @@ def _normalised(sig: inspect.Signature, drop: tuple[str, ...] = ()) -> list[tupl
 
 
 def test_fast_exports_spec_public_names() -> None:
-    assert set(fast.__all__) - FAST_ONLY == set(spec.__all__)
+    assert set(fast.__all__) == set(spec.__all__)
     for name in fast.__all__:
         assert hasattr(fast, name), name
 
