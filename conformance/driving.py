@@ -8,8 +8,9 @@ from typing import Any
 import numpy as np
 
 from conformance.backends import BackendHandle
+from spec.drafts import pad_accepted
 from spec.protocol import StatePool
-from spec.types import PLACEHOLDER_TOKEN_ID, BatchInputs, SchedulerOutput
+from spec.types import BatchInputs, SchedulerOutput
 
 
 def step(
@@ -34,9 +35,7 @@ def sampled_array(per_row: Sequence[int | Sequence[int]]) -> np.ndarray:
     """One id per batch row as `[num_reqs]`; if any row has a sequence, `[num_reqs, longest]` padded with -1."""
     if all(isinstance(t, int) for t in per_row):
         return np.array(per_row, np.int64)
-    rows = [[t] if isinstance(t, int) else list(t) for t in per_row]
-    width = max(len(r) for r in rows)
-    return np.array([r + [PLACEHOLDER_TOKEN_ID] * (width - len(r)) for r in rows], np.int64).reshape(len(rows), width)
+    return pad_accepted([[t] if isinstance(t, int) else list(t) for t in per_row])
 
 
 def draft_fields(backend: BackendHandle, batch: BatchInputs) -> dict[str, Any]:

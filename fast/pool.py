@@ -2,7 +2,7 @@
 
     pool.apply(sched)                  # read and validate once (host), commit, write the device in one go
     batch = pool.prepare(sched)        # batch order on the host, then the batch's arrays
-    pool.record_sampled(batch, ids)    # append each finished row's sampled token
+    pool.record_sampled(batch, ids)    # append each finished row's sampled (or accepted) tokens
 
 One path per call:
 - apply: fast.validate.plan_bulk_step reads the output once and checks it vectorised; what it does not
@@ -12,6 +12,10 @@ One path per call:
 - prepare: reads only the applied plan (frozen at apply, as spec) and the state. The batch order is
   computed on the host; the arrays come from one kernel (Triton), or from NumPy over the shared state.
 - record_sampled: spec's rules, checked vectorised, one scatter of the accepted ids.
+- drafts (speculative decoding, spec/drafts.py): apply writes each request's drafts into the token storage
+  just past its known tokens, as vLLM v1 writes spec tokens into token_ids_cpu, so prepare (kernel or
+  NumPy) reads them as input ids with no extra launch; record_sampled writes the accepted tokens over them.
+  Only the sampler's indices (num_reqs-sized) are computed on the host in a drafting step.
 
 The kernel mode is fixed when the pool is built (fast.runtime.use_triton at that moment):
 - Triton (CUDA tensors, or CPU tensors with the interpreter on): the state lives in separate tensors
@@ -27,7 +31,9 @@ copies of index_mapping and seq_lens that record_sampled reads are the pool's ow
 
 from __future__ import annotations
 
+import dataclasses
 from operator import itemgetter
+from typing import Any
 
 import numpy as np
 import torch
@@ -40,11 +46,13 @@ from fast.slots import gather_block_tables, slot_mapping
 from fast.state import DeviceState
 from fast.validate import StepPlan, from_spec_plan, last_null_entries, plan_bulk_step
 from fast.writes import apply_writes, ranges, step_writes, upload
+from spec.drafts import DraftLogits, accepted_rows, check_accepted, draft_logits
 from spec.errors import InconsistentSchedulerOutputError, ModelLengthError, TokenIdError, UnknownRequestError
 from spec.state import PoolState
 from spec.types import (
     INDEX_DTYPE,
     NULL_BLOCK_ID,
+    PLACEHOLDER_TOKEN_ID,
     BatchInputs,
     PoolSnapshot,
     RowSnapshot,
@@ -75,6 +83,7 @@ class RequestStatePool:
         self._prepared: BatchInputs | None = None  # the batch record_sampled may take
         self._prepared_rows_np = np.zeros(0, np.int64)  # [num_reqs] its batch_idx -> req_state_idx
         self._prepared_seq_lens_np = np.zeros(0, np.int64)  # [num_reqs] its seq_lens
+        self._prepared_drafts: list[np.ndarray] | None = None  # [num_reqs] its drafts per batch row; None: none
         # plain CPU: the buffers the batches' tensors view, reused step after step (grown when a step needs more)
         self._out32 = np.zeros(0, np.int32)
         self._out64 = np.zeros(0, np.int64)
@@ -138,6 +147,19 @@ class RequestStatePool:
         if writes is not None:
             with interpret(self._interpret):
                 apply_writes(dev, writes)
+        if plan.num_drafts is not None:
+            self._store_drafts(plan.num_drafts, plan)
+
+    def _store_drafts(self, num_drafts: np.ndarray, plan: StepPlan) -> None:
+        """Each drafting request's drafts into the token storage at positions known .. known + k - 1.
+
+        They are not known tokens (num_tokens stays): snapshot never shows them, and the accepted tokens
+        of record_sampled (or the next step's drafts) overwrite them.
+        """
+        drafting = np.flatnonzero(num_drafts)  # [d] scheduler order
+        which, within = ranges(num_drafts[drafting])  # [num_drafts] each draft's request, its index there
+        rows = plan.rows[drafting]  # [d] req_state_idx
+        self._store_tokens(rows[which], self.state.num_tokens[rows][which] + within, plan.draft_ids)
 
     def _refresh_null_tails(self, plan: StepPlan, all_rows_changed: bool) -> None:
         """Rows whose tables were replaced or cleared (or, from spec's plan, changed in any way) get new tails."""
@@ -171,6 +193,12 @@ class RequestStatePool:
         else:
             with interpret(self._interpret):
                 batch = self._prepare_kernel(req_ids, rows, num_scheduled, cu_num_tokens, padded)
+        drafts = None
+        if plan.num_drafts is not None:  # input ids are right already (apply stored the drafts): add the indices
+            drafts = _batch_drafts(plan.num_drafts, plan.draft_ids, order)
+            sampler = draft_logits(np.concatenate([[0], cu_num_tokens]), _counts(drafts), drafts)
+            batch = dataclasses.replace(batch, **self._sampler_tensors(sampler))
+        self._prepared_drafts = drafts
         self._prepared = batch
         self._prepared_rows_np = rows
         self._prepared_seq_lens_np = seq_lens
@@ -258,6 +286,17 @@ class RequestStatePool:
             num_tokens_padded=padded,
         )
 
+    def _sampler_tensors(self, sampler: DraftLogits) -> dict[str, Any]:
+        """The sampler's indices as BatchInputs fields: the int32 ones in one host->device copy, the ids in another."""
+        int32 = [sampler.logits_indices, sampler.num_draft_tokens, sampler.cu_num_draft_tokens,
+                 sampler.target_logits_indices, sampler.bonus_logits_indices]  # fmt: skip
+        packed = upload(np.concatenate(int32).astype(INDEX_DTYPE), self.device)
+        ends = np.cumsum([a.size for a in int32]).tolist()
+        parts = [packed[end - a.size : end] for a, end in zip(int32, ends, strict=True)]
+        names = ("logits_indices", "num_draft_tokens", "cu_num_draft_tokens", "target_logits_indices",
+                 "bonus_logits_indices")  # fmt: skip
+        return dict(zip(names, parts, strict=True)) | {"draft_token_ids": upload(sampler.draft_token_ids, self.device)}
+
     def _buffer32(self, size: int) -> np.ndarray:
         if self._out32.size < size:
             self._out32 = np.zeros(max(size, 2 * self._out32.size), np.int32)
@@ -274,13 +313,18 @@ class RequestStatePool:
         if batch is not self._prepared and not self._equals_prepared(batch):
             detail = "not the batch of the last prepare (or recorded already)"
             raise InconsistentSchedulerOutputError(None, "batch", detail)
-        sampled = _host_array(sampled_token_ids).reshape(-1)  # the one sync: the ids must be validated
+        sampled = _host_array(sampled_token_ids)  # the one sync: the ids must be validated
         if sampled.size and sampled.dtype.kind not in "iu":
             detail = f"dtype {sampled.dtype}: needs integer ids"
             raise InconsistentSchedulerOutputError(None, "sampled_token_ids", detail)
+        if sampled.ndim > 1 or self._prepared_drafts is not None:
+            self._record_accepted(batch, sampled)
+            self._prepared = None
+            return
+        sampled = sampled.reshape(-1)
         if sampled.shape[0] != batch.num_reqs:
             raise InconsistentSchedulerOutputError(
-                None, "sampled_token_ids", f"{sampled.shape[0]} ids for {batch.num_reqs} batch rows"
+                None, "sampled_token_ids", f"{sampled.shape[0]} rows of ids for {batch.num_reqs} batch rows"
             )
         rows, seq_lens = self._prepared_rows_np, self._prepared_seq_lens_np
         num_tokens = self.state.num_tokens
@@ -299,14 +343,53 @@ class RequestStatePool:
                 if bad_id[first]:
                     raise TokenIdError(req_id, "sampled_token_ids", f"{int(tokens[first])} not in [0, {vocab})")
                 raise ModelLengthError(req_id, "sampled_token_ids", "no room past max_model_len")
-            self._store_sampled(taking_rows, lengths, tokens)
+            self._store_tokens(taking_rows, lengths, tokens)
             num_tokens[taking_rows] += 1
         self._prepared = None
 
-    def _store_sampled(
+    def _record_accepted(self, batch: BatchInputs, sampled: np.ndarray) -> None:
+        """The accepted tokens of a step with drafts (or ids given as [num_reqs, width]): spec/drafts.py's rules.
+
+        Every row's faults are found at once; the first faulty taking row then goes through spec's own
+        check, which raises the class spec raises for it.
+        """
+        tokens, counts = accepted_rows(sampled, batch.num_reqs)  # [n, width], [n]
+        rows, seq_lens = self._prepared_rows_np, self._prepared_seq_lens_np
+        drafts = self._prepared_drafts or [np.zeros(0, np.int32)] * batch.num_reqs  # [n] per batch row
+        num_drafts = _counts(drafts)  # [n]
+        known = self.state.num_tokens[rows]  # [n]
+        takes = seq_lens == known + num_drafts  # [n]
+        width = tokens.shape[1]
+        column = np.arange(width)[None, :]  # [1, width]
+        kept = column < counts[:, None]  # [n, width]
+        # the drafts laid out as the rows' tokens, so that token j of a row is compared with draft j
+        draft_cols = np.full((batch.num_reqs, width), PLACEHOLDER_TOKEN_ID, np.int64)
+        which, within = ranges(num_drafts)
+        inside = within < width
+        draft_cols[which[inside], within[inside]] = np.concatenate([np.zeros(0, np.int32), *drafts])[inside]
+        faults = (
+            (counts == 0)
+            | (~kept & (tokens != PLACEHOLDER_TOKEN_ID)).any(axis=1)  # a gap
+            | (counts > 1 + num_drafts)
+            | (kept & ((tokens < 0) | (tokens >= self.config.vocab_size))).any(axis=1)
+            | ((column < counts[:, None] - 1) & (tokens != draft_cols)).any(axis=1)  # not the drafts' prefix
+            | (known + counts > self.config.max_model_len)
+        )
+        faulty = np.flatnonzero(takes & faults)
+        if faulty.size:
+            b = int(faulty[0])
+            check_accepted(batch.req_ids[b], tokens[b], int(counts[b]), drafts[b], int(known[b]), self.config)
+            raise AssertionError(f"record_sampled: row {b} looked faulty but spec's check accepts it")
+        taking = np.flatnonzero(takes)
+        which, within = ranges(counts[taking])
+        if which.size:
+            self._store_tokens(rows[taking][which], known[taking][which] + within, tokens[taking[which], within])
+            self.state.num_tokens[rows[taking]] += counts[taking]
+
+    def _store_tokens(
         self,
-        rows: np.ndarray,  # [k] req_state_idx
-        positions: np.ndarray,  # [k] each row's token count: where its id goes
+        rows: np.ndarray,  # [k] req_state_idx (repeated for several tokens of one row)
+        positions: np.ndarray,  # [k] where each id goes
         tokens: np.ndarray,  # [k] validated ids
     ) -> None:
         dev = self.dev
@@ -363,3 +446,14 @@ def _host_array(x: object) -> np.ndarray:
     if isinstance(x, torch.Tensor):
         return x.detach().cpu().numpy()
     return np.asarray(x)
+
+
+def _batch_drafts(num_drafts: np.ndarray, draft_ids: np.ndarray, order: np.ndarray | None) -> list[np.ndarray]:
+    """[num_reqs] each batch row's drafts, from the plan's (scheduler order) counts and ids."""
+    ends = np.cumsum(num_drafts).tolist()
+    per_request = [draft_ids[end - k : end] for k, end in zip(num_drafts.tolist(), ends, strict=True)]
+    return per_request if order is None else [per_request[i] for i in order.tolist()]
+
+
+def _counts(drafts: list[np.ndarray]) -> np.ndarray:
+    return np.array([d.size for d in drafts], np.int64)

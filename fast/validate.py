@@ -25,7 +25,7 @@ by two requests (legal when their offsets differ) goes to plan_step's exact per-
 from __future__ import annotations
 
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain, islice
 from typing import Any
 
@@ -66,6 +66,9 @@ class StepPlan:
     req_ids: list[str]  # [n] scheduled requests, scheduler order (the batch's tie-break)
     rows: np.ndarray  # [n] int64 scheduler order -> req_state_idx
     num_scheduled: np.ndarray  # [n] int64, scheduler order
+    # speculative decoding (spec/drafts.py); only spec's plan_step accepts drafts, so only from_spec_plan sets them
+    num_drafts: np.ndarray | None = None  # [n] int64 drafts of each scheduled request, scheduler order; None: none
+    draft_ids: np.ndarray = field(default_factory=lambda: _EMPTY)  # [sum(num_drafts)] int32, scheduler order
 
 
 def plan_bulk_step(
@@ -121,7 +124,8 @@ def plan_bulk_step(
     else:
         freed_rows = new_rows = _EMPTY
     counts = num_scheduled[cached_at]  # [n]
-    last = num_computed + counts - 1  # [n] last position written
+    decode = int(counts.sum()) == n
+    last = num_computed if decode else num_computed + counts - 1  # [n] last position written
     if n and (last >= state.num_tokens[rows]).any():  # also max_model_len, see the module docstring
         return None
     appends = _appended_ids(new_blocks, n, len(config.kv_groups))
@@ -135,7 +139,7 @@ def plan_bulk_step(
     tables, computed_rows, computed_values = [], rows, num_computed
     for g in range(len(config.kv_groups)):
         tails = null_tails[g] if null_tails is not None else None
-        checked = _check_group(state, g, rows, num_computed, last, appends[g], tails)
+        checked = _check_group(state, g, rows, num_computed, last, appends[g], tails, decode)
         if checked is None:
             return None
         appended, written = checked
@@ -355,6 +359,7 @@ def _check_group(
     last: np.ndarray,  # [n] last position each writes
     appended: tuple[np.ndarray, np.ndarray, np.ndarray],  # request index [a], lengths [a], ids
     null_tails: np.ndarray | None,  # [R] last null entry of every row, or None
+    decode: bool,  # every request schedules one token (so it writes within one block)
 ) -> tuple[GroupWrites, np.ndarray] | None:
     """Checks 9-12 for group g's cached requests: their appends, and the physical blocks their tokens write."""
     group = state.config.kv_groups[g]
@@ -387,11 +392,10 @@ def _check_group(
     ):
         return None
 
-    single = bool((first == last_block).all())  # every request writes into one block (a decode step)
-    which, within = (None, None) if single else ranges(last_block - first + 1)
+    which, within = (None, None) if decode else ranges(last_block - first + 1)
     logical = first if which is None else first[which] + within  # [w] blocks written
     owner = np.arange(rows.size) if which is None else which  # [w] cached request writing each
-    written = table.ravel()[rows[owner] * width + logical].astype(np.int64)  # appended entries read NULL here
+    written = table.ravel()[rows[owner] * width + logical]  # [w] int32; appended entries read NULL here
     if ids.size:
         start_of = np.zeros(rows.size, np.int64)  # where each appending request's ids begin in `ids`
         start_of[app_req] = lengths.cumsum() - lengths
@@ -493,6 +497,7 @@ def from_spec_plan(state: PoolState, sched: SchedulerOutput, plan: SpecStepPlan)
     row_of = {r: state.row_of[r] for r, _ in plan.scheduled if r in state.row_of}  # cached requests
     row_of.update(zip(new_ids, plan.new_rows, strict=True))
     computed = sorted(plan.num_computed_tokens.items())
+    drafts = [plan.drafts.get(r, np.zeros(0, np.int32)) for r, _ in plan.scheduled]  # scheduler order
     return StepPlan(
         freed_rows=np.array(plan.freed_rows, np.int64),
         new_req_ids=new_ids,
@@ -505,4 +510,6 @@ def from_spec_plan(state: PoolState, sched: SchedulerOutput, plan: SpecStepPlan)
         req_ids=[r for r, _ in plan.scheduled],
         rows=np.array([row_of[r] for r, _ in plan.scheduled], np.int64),
         num_scheduled=np.array([n for _, n in plan.scheduled], np.int64),
+        num_drafts=np.array([d.size for d in drafts], np.int64) if plan.drafts else None,
+        draft_ids=np.concatenate([np.zeros(0, np.int32), *drafts]).astype(np.int32),
     )

@@ -41,8 +41,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from spec.errors import InconsistentSchedulerOutputError
-from spec.types import INDEX_DTYPE, PLACEHOLDER_TOKEN_ID, TOKEN_DTYPE
+from spec.errors import InconsistentSchedulerOutputError, ModelLengthError, TokenIdError
+from spec.types import INDEX_DTYPE, PLACEHOLDER_TOKEN_ID, TOKEN_DTYPE, WorkerConfig
 
 
 @dataclass(frozen=True)
@@ -108,3 +108,40 @@ def accepted_rows(sampled: np.ndarray, num_reqs: int) -> tuple[np.ndarray, np.nd
         return rows, np.ones(num_reqs, np.int64)
     is_placeholder = np.concatenate([rows == PLACEHOLDER_TOKEN_ID, np.ones((num_reqs, 1), bool)], axis=1)
     return rows, is_placeholder.argmax(axis=1).astype(np.int64)  # first placeholder (or the width)
+
+
+def check_accepted(
+    req_id: str,
+    tokens: np.ndarray,  # [width] the row of accepted_rows
+    count: int,  # its tokens before the first placeholder
+    drafts: np.ndarray,  # [k] the row's drafts
+    known: int,  # tokens the request knew before the step
+    config: WorkerConfig,
+) -> None:
+    """One taking row's accepted tokens, in record_sampled's order of checks; raises at the first fault."""
+    field = "sampled_token_ids"
+    if count == 0:
+        raise InconsistentSchedulerOutputError(req_id, field, "no token for a row that samples")
+    if (tokens[count:] != PLACEHOLDER_TOKEN_ID).any():
+        raise InconsistentSchedulerOutputError(req_id, field, f"a token after the placeholder at {count}")
+    if count > 1 + drafts.size:
+        detail = f"{count} tokens for {drafts.size} drafts: at most 1 + {drafts.size}"
+        raise InconsistentSchedulerOutputError(req_id, field, detail)
+    kept = tokens[:count]
+    bad = kept[(kept < 0) | (kept >= config.vocab_size)]
+    if bad.size:
+        raise TokenIdError(req_id, field, f"{bad[0]} not in [0, {config.vocab_size})")
+    if not np.array_equal(kept[:-1], drafts[: count - 1]):  # a sampler keeps drafts only verbatim
+        detail = f"accepted {kept[:-1].tolist()} but the drafts were {drafts.tolist()}"
+        raise InconsistentSchedulerOutputError(req_id, field, detail)
+    if known + count > config.max_model_len:
+        raise ModelLengthError(req_id, field, f"{known} + {count} tokens: no room past max_model_len")
+
+
+def pad_accepted(rows: list[tuple[int, ...]] | list[list[int]]) -> np.ndarray:
+    """Each batch row's accepted tokens as record_sampled's `[num_reqs, longest]`, padded with PLACEHOLDER_TOKEN_ID."""
+    width = max((len(r) for r in rows), default=1)
+    out = np.full((len(rows), width), PLACEHOLDER_TOKEN_ID, np.int64)
+    for b, tokens in enumerate(rows):
+        out[b, : len(tokens)] = tokens
+    return out

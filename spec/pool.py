@@ -15,14 +15,13 @@ from __future__ import annotations
 import numpy as np
 
 from spec.batch import batch_order
-from spec.drafts import DraftLogits, accepted_rows, draft_logits, draft_token_indices
-from spec.errors import InconsistentSchedulerOutputError, ModelLengthError, TokenIdError, UnknownRequestError
+from spec.drafts import DraftLogits, accepted_rows, check_accepted, draft_logits, draft_token_indices
+from spec.errors import InconsistentSchedulerOutputError, UnknownRequestError
 from spec.flatten import flatten
 from spec.slots import gather_block_tables, slot_mapping
 from spec.state import PoolState, StepPlan
 from spec.types import (
     INDEX_DTYPE,
-    PLACEHOLDER_TOKEN_ID,
     TOKEN_STORAGE_DTYPE,
     BatchInputs,
     PoolSnapshot,
@@ -119,31 +118,12 @@ class RequestStatePool:
         known = self.state.num_tokens[rows]  # [num_reqs]
         takes = seq_lens == known + [d.size for d in drafts]  # [num_reqs] the step reached its last input token
         for b in np.flatnonzero(takes):
-            self._check_accepted(batch.req_ids[b], tokens[b], int(counts[b]), drafts[b], int(known[b]))
+            check_accepted(batch.req_ids[b], tokens[b], int(counts[b]), drafts[b], int(known[b]), self.config)
         for b in np.flatnonzero(takes):
             row, n = rows[b], counts[b]
             self.token_ids[row, known[b] : known[b] + n] = tokens[b, :n]
             self.state.num_tokens[row] += n
         self._prepared = None
-
-    def _check_accepted(self, req_id: str, tokens: np.ndarray, count: int, drafts: np.ndarray, known: int) -> None:
-        """One taking row's tokens (its `count` before the first placeholder), in record_sampled's order of checks."""
-        field = "sampled_token_ids"
-        if count == 0:
-            raise InconsistentSchedulerOutputError(req_id, field, "no token for a row that samples")
-        if (tokens[count:] != PLACEHOLDER_TOKEN_ID).any():
-            raise InconsistentSchedulerOutputError(req_id, field, f"a token after the placeholder at {count}")
-        if count > 1 + drafts.size:
-            detail = f"{count} tokens for {drafts.size} drafts: at most 1 + {drafts.size}"
-            raise InconsistentSchedulerOutputError(req_id, field, detail)
-        bad = tokens[:count][(tokens[:count] < 0) | (tokens[:count] >= self.config.vocab_size)]
-        if bad.size:
-            raise TokenIdError(req_id, field, f"{bad[0]} not in [0, {self.config.vocab_size})")
-        if not np.array_equal(tokens[: count - 1], drafts[: count - 1]):  # a sampler keeps drafts only verbatim
-            detail = f"accepted {tokens[: count - 1].tolist()} but the drafts were {drafts.tolist()}"
-            raise InconsistentSchedulerOutputError(req_id, field, detail)
-        if known + count > self.config.max_model_len:
-            raise ModelLengthError(req_id, field, f"{known} + {count} tokens: no room past max_model_len")
 
     def _is_last_prepared(self, batch: BatchInputs) -> bool:
         """The batch prepare returned last, or one with its requests, rows and lengths (a wrapper's copy)."""

@@ -11,6 +11,13 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from typing import Protocol
+
+
+class Proposer(Protocol):
+    """What the scheduler asks for drafts: at most `room` draft ids for a request holding `tokens`."""
+
+    def propose(self, tokens: Sequence[int], room: int) -> list[int]: ...
 
 
 class Drafter:
@@ -22,8 +29,11 @@ class Drafter:
         self.vocab_size = vocab_size
         self.rng = random.Random(seed)
 
-    def propose(self, room: int) -> list[int]:
-        """Up to min(max_drafts, room) random draft ids (sometimes none, as a real drafter that finds no match)."""
+    def propose(self, tokens: Sequence[int], room: int) -> list[int]:
+        """Up to min(max_drafts, room) random draft ids (sometimes none, as a real drafter that finds no match).
+
+        `tokens` (the request's known tokens) is what a real drafter reads; random drafts ignore it.
+        """
         k = self.rng.randint(0, min(self.max_drafts, max(room, 0)))
         return [self.rng.randrange(self.vocab_size) for _ in range(k)]
 

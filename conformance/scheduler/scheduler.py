@@ -31,7 +31,7 @@ import random
 from collections.abc import Mapping, Sequence
 
 from conformance.scheduler.allocator import BlockAllocator
-from conformance.scheduler.drafter import Drafter
+from conformance.scheduler.drafter import Drafter, Proposer
 from conformance.scheduler.knobs import SchedulerKnobs
 from conformance.scheduler.request import SchedRequest, Status
 from conformance.scheduler.stats import SchedulerStats
@@ -41,7 +41,12 @@ from spec.types import NULL_BLOCK_ID, CachedRequest, NewRequest, RowSnapshot, Sc
 
 class ReferenceScheduler:
     def __init__(
-        self, config: WorkerConfig, workload: Workload, knobs: SchedulerKnobs | None = None, seed: int = 0
+        self,
+        config: WorkerConfig,
+        workload: Workload,
+        knobs: SchedulerKnobs | None = None,
+        seed: int = 0,
+        proposer: Proposer | None = None,  # drafts from elsewhere (e.g. n-gram lookup); default: random ones
     ) -> None:
         self.config = config
         self.knobs = knobs = knobs or SchedulerKnobs()
@@ -69,6 +74,7 @@ class ReferenceScheduler:
         self.max_running = min(knobs.max_running or config.max_num_reqs, config.max_num_reqs)
         self.max_chunk = knobs.max_chunk or config.max_model_len
         self.drafter = Drafter(knobs.spec_tokens, knobs.acceptance_rate, config.vocab_size, seed * 17 + 5)
+        self.proposer: Proposer = proposer or self.drafter
 
     # ---- public API -------------------------------------------------------------------------
     def done(self) -> bool:
@@ -203,7 +209,7 @@ class ReferenceScheduler:
         while i < len(self.running) and step.budget > 0 and len(step.scheduled) < self.max_running:
             req = self.running[i]
             self._release_out_of_window(req)
-            drafts = self.drafter.propose(self._draft_room(req))
+            drafts = self.proposer.propose(req.tokens, self._draft_room(req))
             want = min(req.num_tokens + len(drafts) - req.num_computed, step.budget, self.max_chunk)
             n = self._make_room(req, want, step, finished)
             if n == 0:

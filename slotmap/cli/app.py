@@ -100,18 +100,31 @@ def simulate(
         Path | None,
         typer.Option(callback=options.figure, help="save batch composition and KV block usage here (.png, .svg, ...)"),
     ] = None,
+    spec_tokens: Annotated[
+        int,
+        typer.Option(min=0, help="speculative decoding: up to K n-gram drafts per request per step, checked to "
+                     "generate exactly the tokens of plain greedy decoding (0: off)"),
+    ] = 0,
 ) -> None:
     """Run a synthetic workload through scheduler -> pool -> a tiny decoder, verifying against spec as it goes."""
-    _simulate(backend, requests, seed, verify_every, dense_check, plot, Console())
+    _simulate(backend, requests, seed, verify_every, dense_check, plot, Console(), spec_tokens)
 
 
 def _simulate(
-    backend: str, requests: int, seed: int, verify_every: int, dense_check: bool, plot: Path | None, console: Console
+    backend: str,
+    requests: int,
+    seed: int,
+    verify_every: int,
+    dense_check: bool,
+    plot: Path | None,
+    console: Console,
+    spec_tokens: int = 0,
 ) -> None:
     from slotmap.simulate.report import render_report
     from slotmap.simulate.run import SimulateOptions, run_simulation
 
-    report = run_simulation(SimulateOptions(backend, requests, seed, verify_every, dense_check), console)
+    options = SimulateOptions(backend, requests, seed, verify_every, dense_check, spec_tokens=spec_tokens)
+    report = run_simulation(options, console)
     render_report(report, console)
     if plot is not None:
         from slotmap.simulate.plot import save_plot

@@ -8,6 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 from slotmap.simulate.dense_check import DenseCheck
+from slotmap.simulate.speculative import SpeculativeComparison
 from slotmap.simulate.verify import SpecVerifier
 from slotmap.tiny.engine import STAGES, StepStats
 from spec.types import WorkerConfig
@@ -30,10 +31,12 @@ class SimulationReport:
     finished: int = 0
     verifier: SpecVerifier | None = None
     dense: list[DenseCheck] = field(default_factory=list)
+    speculative: SpeculativeComparison | None = None  # with --spec-tokens: drafts, acceptance, plain-run equality
 
     @property
     def all_matched(self) -> bool:
-        return (self.verifier is None or self.verifier.all_matched) and all(c.ok for c in self.dense)
+        checks = (self.verifier is None or self.verifier.all_matched) and all(c.ok for c in self.dense)
+        return checks and (self.speculative is None or self.speculative.identical)
 
 
 def render_report(report: SimulationReport, console: Console) -> None:
@@ -76,6 +79,18 @@ def render_report(report: SimulationReport, console: Console) -> None:
             f"{len(report.dense)} requests, worst error {worst:.1e} x tolerance: "
             + ("all matched" if not bad else f"{len(bad)} FAILED"),
         )
+    if report.speculative is not None:
+        sc = report.speculative
+        table.add_row(
+            f"speculative decoding (n-gram drafts, up to {sc.spec_tokens})",
+            f"acceptance {sc.acceptance_rate:.1%} ({sc.accepted} of {sc.drafts} drafts), "
+            f"{sc.speculative_steps} steps vs {sc.plain_steps} without drafts",
+        )
+        table.add_row(
+            "tokens identical to plain greedy decoding",
+            f"{sc.requests_compared} requests: "
+            + ("all identical" if sc.identical else f"{len(sc.differences)} DIFFER"),
+        )
     table.add_row("every checked step matched", "[green]yes[/]" if report.all_matched else "[red]NO[/]")
     console.print(table)
 
@@ -88,5 +103,6 @@ def render_report(report: SimulationReport, console: Console) -> None:
         split.add_row(stage, f"{seconds:.3f}", f"{seconds / total:.1%}")
     console.print(split)
     problems = (report.verifier.mismatches if report.verifier else []) + [f for c in report.dense for f in c.failures]
+    problems += report.speculative.differences if report.speculative else []
     for line in problems[:10]:
         console.print(f"[red]{line}[/]")

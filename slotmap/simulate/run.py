@@ -3,7 +3,9 @@
 Requests arrive over time with shared prompt prefixes; the reference scheduler batches them (chunked
 prefill, prefix caching, preemption, padding) over two KV groups, one with a sliding window. Every K-th
 step is replayed through spec (BatchInputs exact, logits within tolerance), and every finished request
-is recomputed densely (slotmap.simulate.dense_check).
+is recomputed densely (slotmap.simulate.dense_check). With `spec_tokens` > 0 the scheduler carries
+n-gram drafts and the engine verifies them greedily; the same workload also runs without drafts, and
+every request's tokens must be the same (slotmap.simulate.speculative).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from rich.console import Console
@@ -21,7 +23,9 @@ from conformance.backends import load_backend
 from conformance.scheduler import ReferenceScheduler, SchedulerKnobs, make_workload
 from slotmap.simulate.dense_check import check_request
 from slotmap.simulate.report import SimulationReport
+from slotmap.simulate.speculative import SpeculativeComparison, compare, plain_greedy_run, prefix_check
 from slotmap.simulate.verify import SpecVerifier
+from slotmap.tiny.drafting import NgramDrafter
 from slotmap.tiny.engine import Engine, RequestRecord, StepResult, StepStats, drive
 from slotmap.tiny.model import ModelConfig
 from spec.types import KVCacheGroup, SchedulerOutput, WorkerConfig
@@ -38,6 +42,7 @@ class SimulateOptions:
     max_new_tokens: int = 32
     arrival_steps: int | None = None  # arrivals spread over this many steps (default: one per 2 requests)
     num_blocks: int = 64  # group 0 (block size 16): small enough that busy stretches preempt
+    spec_tokens: int = 0  # most drafts per request per step (speculative decoding with an n-gram drafter)
 
 
 def simulation_config(options: SimulateOptions) -> WorkerConfig:
@@ -66,14 +71,24 @@ def run_simulation(options: SimulateOptions, console: Console | None = None) -> 
         num_prefixes=4, shared_prefix_prob=0.6, max_prompt_len=options.max_prompt_len,
         max_new_tokens=options.max_new_tokens,
     )
-    scheduler = ReferenceScheduler(config, workload, knobs=simulation_knobs(), seed=options.seed)
-    engine = Engine(backend, config, ModelConfig(vocab_size=config.vocab_size),
-                    record_logits=options.dense_check)
+    model_config = ModelConfig(vocab_size=config.vocab_size)
+    knobs = replace(simulation_knobs(), spec_tokens=options.spec_tokens)
+    drafter = NgramDrafter(options.spec_tokens) if options.spec_tokens else None
+    scheduler = ReferenceScheduler(config, workload, knobs=knobs, seed=options.seed, proposer=drafter)
+    engine = Engine(backend, config, model_config, record_logits=options.dense_check)
     verifier = SpecVerifier(engine, options.verify_every) if options.verify_every > 0 else None
     report = SimulationReport(options.backend, config, verifier=verifier,
                               prompt_tokens=workload.num_prompt_tokens)
+    finished: list[RequestRecord] = []
+    plain_check = None
+    if options.spec_tokens:
+        report.speculative = comparison = SpeculativeComparison(options.spec_tokens)
+        plain, comparison.plain_steps = plain_greedy_run(backend, config, workload, simulation_knobs(),
+                                                         options.seed, model_config)
+        plain_check = prefix_check(comparison, plain, engine)
 
     def on_finished(record: RequestRecord) -> None:
+        finished.append(record)
         report.finished += 1
         if options.dense_check:
             start = time.perf_counter()
@@ -98,6 +113,8 @@ def run_simulation(options: SimulateOptions, console: Console | None = None) -> 
                 report.step_stats.append(StepStats(0, 0, 0, 0, 0))
             done = scheduler.stats.finished + scheduler.stats.aborted
             progress.update(task, completed=done, step=len(report.step_stats))
+            if plain_check is not None:
+                plain_check(out, result)
 
         start = time.perf_counter()
         with _cpu_threads(1 if engine.device.type == "cpu" else None):
@@ -110,6 +127,10 @@ def run_simulation(options: SimulateOptions, console: Console | None = None) -> 
     report.block_usage = [list(u) for u in stats.block_usage]
     report.preemptions = stats.preemptions
     report.prefix_hit_tokens = stats.prefix_hit_tokens
+    if report.speculative is not None:
+        report.speculative.drafts, report.speculative.accepted = stats.drafts_scheduled, stats.drafts_accepted
+        report.speculative.speculative_steps = report.steps
+        compare(report.speculative, workload, plain, finished)
     return report
 
 

@@ -16,9 +16,11 @@ import numpy as np
 import torch
 
 from conformance.backends import BackendHandle, load_backend
+from conformance.driving import draft_fields
 from conformance.tolerance import as_float64, tolerance
 from slotmap.tiny.engine import Engine, StepResult
 from slotmap.tiny.kv_caches import PagedKV
+from spec.drafts import pad_accepted
 from spec.types import BatchInputs, SchedulerOutput
 
 
@@ -66,33 +68,33 @@ class SpecVerifier:
     def after_model(self, result: StepResult) -> None:
         spec_batch = self._spec_batch
         assert spec_batch is not None, "before_model must run first"
-        if set(result.batch.req_ids) != set(spec_batch.req_ids):
+        if tuple(result.batch.req_ids) != tuple(spec_batch.req_ids):  # the batch order is part of the contract
             self.mismatches.append(f"step {self._step}: batch holds {result.batch.req_ids}, spec {spec_batch.req_ids}")
             raise RuntimeError(f"backend and spec diverged at step {self._step}: {self.mismatches[-1]}")
         if self._spec_kv is not None:
             self.steps_checked += 1
             low = self.engine.model.forward_paged(spec_batch, self._spec_kv[0]).numpy()
             ref64 = self.engine.model.forward_paged(spec_batch, self._spec_kv[1]).numpy()
-            row = {r: b for b, r in enumerate(result.batch.req_ids)}
-            ours = as_float64(result.logits[[row[r] for r in spec_batch.req_ids]])
+            ours = as_float64(result.logits)  # same batch order, so the same logits rows (drafts included)
             err = float(np.abs(ours - ref64).max())
             tol = tolerance(ref64, low, "float32")
             self.max_logit_error = max(self.max_logit_error, err)
             self.worst_ratio = max(self.worst_ratio, err / tol)
             if not err <= tol:
                 self.mismatches.append(f"step {self._step}: logits differ from spec by {err:.3g} > {tol:.3g}")
-        tokens = dict(zip(result.batch.req_ids, result.argmax.tolist(), strict=True))
-        self.pool.record_sampled(spec_batch, np.array([tokens[r] for r in spec_batch.req_ids], np.int64))
+        self.pool.record_sampled(spec_batch, pad_accepted(result.kept))
 
     def _compare_batches(self, batch: BatchInputs) -> None:
-        ours = self.engine.backend.batch_to_numpy(batch)
-        theirs = self.spec.batch_to_numpy(self._spec_batch)  # type: ignore[arg-type]
+        ours = self.engine.backend.batch_to_numpy(batch) | draft_fields(self.engine.backend, batch)
+        theirs = self.spec.batch_to_numpy(self._spec_batch) | draft_fields(self.spec, self._spec_batch)  # type: ignore[arg-type]
         for name, expected in theirs.items():
             got = ours[name]
-            if isinstance(expected, tuple) and expected and isinstance(expected[0], np.ndarray):
+            if expected is None or got is None:  # the draft fields of a step without drafts
+                same = expected is None and got is None
+            elif isinstance(expected, tuple) and expected and isinstance(expected[0], np.ndarray):
                 same = len(got) == len(expected) and all(_equal(a, b) for a, b in zip(got, expected, strict=True))
             elif isinstance(expected, np.ndarray):
-                same = _equal(got, expected)
+                same = got is not None and _equal(got, expected)
             else:
                 same = got == expected
             if not same:

@@ -1,5 +1,9 @@
 """The engine loop: scheduler -> pool -> model -> greedy sample -> record_sampled -> scheduler update.
 
+With speculative decoding (a scheduler whose outputs carry drafts), the model's logits cover every
+drafting position and greedy verification (slotmap.tiny.drafting) keeps the matching drafts plus one
+token: the tokens are those of a plain greedy run, in fewer steps.
+
 One `Engine.step` is one scheduler output through a backend's pool and the tiny decoder, timed per
 stage. The engine keeps its own account of every request's tokens (prompt, then what it sampled) and,
 if asked, of every logits row the model produced with the position it predicts from, so that a dense
@@ -10,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -19,8 +23,10 @@ import numpy as np
 import torch
 
 from conformance.backends import BackendHandle
+from slotmap.tiny.drafting import greedy_verify
 from slotmap.tiny.kv_caches import PagedKV
 from slotmap.tiny.model import ModelConfig, TinyDecoder
+from spec.drafts import pad_accepted
 from spec.types import BatchInputs, SchedulerOutput, WorkerConfig
 
 STAGES = ("schedule", "apply", "prepare", "model", "sample", "record_sampled", "update", "verify")
@@ -45,17 +51,20 @@ class RequestRecord:
 class StepStats:
     num_reqs: int
     prefill_tokens: int  # prompt tokens, recomputed tokens after preemption, and chunked prefill
-    decode_tokens: int  # single generated tokens fed back
+    decode_tokens: int  # generated tokens fed back: one per decoding row, plus its drafts
     padding_tokens: int
-    sampled: int  # rows that appended a token
+    sampled: int  # tokens appended (one per sampling row, more where drafts were accepted)
+    drafts: int = 0  # draft tokens verified
+    accepted: int = 0  # of which kept
 
 
 @dataclass
 class StepResult:
     batch: BatchInputs
-    logits: torch.Tensor  # [num_reqs, vocab] float32
-    argmax: np.ndarray  # [num_reqs] int64, the greedy token of every batch row (kept or not)
-    sampled: dict[str, int]  # req_id -> token appended this step (rows that reached their last known token)
+    logits: torch.Tensor  # [num_reqs + num_drafts, vocab] float32, at the batch's logits_indices
+    argmax: np.ndarray  # [num_reqs + num_drafts] int64, the greedy token of every logits row (kept or not)
+    kept: list[tuple[int, ...]]  # [num_reqs] per batch row, what greedy verification keeps (recorded or not)
+    sampled: dict[str, tuple[int, ...]]  # req_id -> tokens appended this step (rows that reached their last token)
     stats: StepStats
 
 
@@ -120,35 +129,51 @@ class Engine:
         with self.timed("model"):
             logits = self.model.forward_paged(batch, self.kv)
         with self.timed("sample"):
-            sampled_ids = logits.argmax(dim=-1)  # [num_reqs] greedy
-            sampled_host = sampled_ids.cpu().numpy()
+            sampled_ids = logits.argmax(dim=-1)  # [num_reqs + num_drafts] greedy
+            sampled_host = sampled_ids.cpu().numpy().astype(np.int64)
+            drafting = batch.num_draft_tokens is not None
+            num_drafts = self.backend.to_numpy(batch.num_draft_tokens) if drafting else np.zeros(batch.num_reqs, int)
+            draft_ids = self.backend.to_numpy(batch.draft_token_ids) if drafting else None
+            kept = greedy_verify(sampled_host, num_drafts if drafting else None, draft_ids)
         seq_lens = self.backend.to_numpy(batch.seq_lens)
         num_scheduled = self.backend.to_numpy(batch.num_scheduled_tokens)
-        takes = [int(seq_lens[b]) == len(self.requests[r].tokens) for b, r in enumerate(batch.req_ids)]
+        takes = [
+            int(seq_lens[b]) == len(self.requests[r].tokens) + int(num_drafts[b]) for b, r in enumerate(batch.req_ids)
+        ]
         with self.timed("record_sampled"):
-            native = sampled_ids if self.kv.native_torch else self.backend.asarray(sampled_host.astype(np.int64))
+            if drafting:  # the rejection sampler's form: [num_reqs, max_k + 1] padded with -1
+                native = self.backend.asarray(pad_accepted(kept))
+            else:
+                native = sampled_ids if self.kv.native_torch else self.backend.asarray(sampled_host)
             self.pool.record_sampled(batch, native)
-        sampled: dict[str, int] = {}
-        decode = 0
+        sampled: dict[str, tuple[int, ...]] = {}
+        decode = drafts = accepted = 0
         logits_host = logits.detach().cpu() if self.record_logits else None  # one copy, not one per row
+        first_row = 0  # the batch row's first logits row
         for b, req_id in enumerate(batch.req_ids):
-            record = self.requests[req_id]
-            if num_scheduled[b] == 1 and seq_lens[b] - 1 >= len(record.prompt) and takes[b]:
-                decode += 1
-            token = int(sampled_host[b]) if takes[b] else None
-            if logits_host is not None:
-                record.logits.append(LogitsRecord(int(seq_lens[b]) - 1, logits_host[b].clone(), token))
-            if token is not None:
-                record.tokens.append(token)
-                sampled[req_id] = token
+            record, k = self.requests[req_id], int(num_drafts[b])
+            if num_scheduled[b] == 1 + k and seq_lens[b] - 1 - k >= len(record.prompt) and takes[b]:
+                decode += 1 + k
+            if logits_host is not None:  # rows past a rejected draft saw a token the sequence does not hold
+                for i in range(len(kept[b])):
+                    token = kept[b][i] if takes[b] else None
+                    position = int(seq_lens[b]) - 1 - k + i
+                    record.logits.append(LogitsRecord(position, logits_host[first_row + i].clone(), token))
+            if takes[b]:
+                record.tokens.extend(kept[b])
+                sampled[req_id] = kept[b]
+                drafts, accepted = drafts + k, accepted + len(kept[b]) - 1
+            first_row += 1 + k
         stats = StepStats(
             num_reqs=batch.num_reqs,
             prefill_tokens=batch.num_tokens - decode,
             decode_tokens=decode,
             padding_tokens=batch.num_tokens_padded - batch.num_tokens,
-            sampled=len(sampled),
+            sampled=sum(len(t) for t in sampled.values()),
+            drafts=drafts,
+            accepted=accepted,
         )
-        return StepResult(batch, logits, sampled_host.astype(np.int64), sampled, stats)
+        return StepResult(batch, logits, sampled_host, kept, sampled, stats)
 
     def idle(self, out: SchedulerOutput) -> None:
         """A step that schedules no tokens: only its finished requests are removed from the pool."""
@@ -169,7 +194,7 @@ class Scheduler(Protocol):
 
     def pad_to(self, out: SchedulerOutput) -> int | None: ...
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> None: ...
+    def update(self, out: SchedulerOutput, sampled: Mapping[str, Sequence[int]]) -> None: ...
 
 
 class StepObserver(Protocol):
