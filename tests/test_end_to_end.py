@@ -7,6 +7,8 @@ densely in float64 over the request's whole sequence (prompt + generated), with 
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -17,10 +19,12 @@ from typer.testing import CliRunner
 
 import spec
 from conformance.backends import BackendHandle, load_backend
-from conformance.scheduler import ReferenceScheduler, SchedulerKnobs, make_workload
+from conformance.scheduler import ReferenceScheduler, SchedulerKnobs, Workload, make_workload
 from slotmap.cli import app
 from slotmap.simulate.dense_check import check_request
+from slotmap.simulate.speculative import SpeculativeComparison, compare, plain_greedy_run, prefix_check
 from slotmap.simulate.verify import SpecVerifier
+from slotmap.tiny.drafting import NgramDrafter
 from slotmap.tiny.engine import Engine, RequestRecord, drive
 from slotmap.tiny.model import ModelConfig
 from spec.types import BatchInputs, CachedRequest, KVCacheGroup, NewRequest, SchedulerOutput, WorkerConfig
@@ -169,3 +173,61 @@ def test_verifier_flags_a_backend_that_drifts_from_spec() -> None:
     drive(engine, ReferenceScheduler(SCHED_CONFIG, workload, knobs=SCHED_KNOBS), observer=verifier)
     assert verifier.steps_checked > 0
     assert not verifier.all_matched and "logits differ from spec" in verifier.mismatches[0]
+
+
+class _NoisyOracle:
+    """A drafter that is sometimes right: the plain run's next tokens, each replaced by another with chance 1/3."""
+
+    def __init__(self, plain: dict[str, RequestRecord], seed: int) -> None:
+        self.plain = [r.tokens for r in plain.values()]
+        self.rng = np.random.default_rng(seed)
+
+    def propose(self, tokens: Sequence[int], room: int) -> list[int]:
+        ahead = next(p[len(tokens) :] for p in self.plain if p[: len(tokens)] == list(tokens))
+        drafts = list(ahead[: min(3, room)])
+        return [t if self.rng.random() < 2 / 3 else (t + 1) % SCHED_CONFIG.vocab_size for t in drafts]
+
+
+@pytest.mark.not_on_backends("fast-interpret", reason="interpreter: the conformance suite drives its drafts")
+@pytest.mark.parametrize("drafter", ["noisy oracle", "n-gram"])
+def test_speculative_decoding_generates_the_plain_greedy_tokens(backend: BackendHandle, drafter: str) -> None:
+    """Drafts verified greedily: after every step each request's tokens are a prefix of what the plain run
+    generates, at the end they are equal, and every logits row kept matches the dense recompute."""
+    workload = make_workload(5, SCHED_CONFIG, num_requests=10, max_arrival_step=3, num_prefixes=2,
+                             max_prompt_len=16, max_new_tokens=20, stop_token_prob=0.0)
+    if drafter == "n-gram":  # prompts that repeat themselves, so that the lookup finds something to propose
+        workload = Workload(tuple(dataclasses.replace(r, prompt_token_ids=r.prompt_token_ids[:4] * 4,
+                                                      max_new_tokens=12) for r in workload.requests))
+    plain, plain_steps = plain_greedy_run(backend, SCHED_CONFIG, workload, SCHED_KNOBS, 0, SCHED_MODEL)
+
+    knobs = dataclasses.replace(SCHED_KNOBS, spec_tokens=3)
+    proposer = _NoisyOracle(plain, seed=1) if drafter == "noisy oracle" else NgramDrafter(3)
+    scheduler = ReferenceScheduler(SCHED_CONFIG, workload, knobs=knobs, seed=0, proposer=proposer)
+    engine = Engine(backend, SCHED_CONFIG, SCHED_MODEL)
+    comparison = SpeculativeComparison(spec_tokens=3)
+    records: list[RequestRecord] = []
+    steps = drive(engine, scheduler, on_step=prefix_check(comparison, plain, engine), on_finished=records.append)
+    records += engine.finish(set(engine.requests))
+    compare(comparison, workload, plain, records)
+
+    assert comparison.identical, comparison.differences
+    assert comparison.requests_compared == len(workload.requests)
+    for record in records:
+        assert record.tokens == plain[record.req_id].tokens
+        check = check_request(engine.model, record)
+        assert check.ok, check.failures
+    stats = scheduler.stats
+    assert stats.drafts_scheduled > 0
+    if drafter == "noisy oracle":  # right often enough to save steps, wrong often enough to roll back
+        assert 0 < stats.drafts_accepted < stats.drafts_scheduled
+        assert stats.all_drafts_accepted > 0 and stats.no_draft_accepted > 0
+        assert stats.drafts_crossing_blocks > 0
+        assert steps < plain_steps
+
+
+@pytest.mark.not_on_backends("fast-interpret", reason="interpreter: a whole simulated workload is too long")
+def test_simulate_with_spec_tokens_reports_acceptance_and_equality(backend: BackendHandle) -> None:
+    result = CliRunner().invoke(app, ["simulate", "--backend", backend.name, "--requests", "8", "--seed", "1",
+                                      "--verify-every", "2", "--spec-tokens", "3"])
+    assert result.exit_code == 0, result.output
+    assert "acceptance" in result.output and "all identical" in result.output
