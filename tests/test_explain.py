@@ -202,3 +202,33 @@ def test_a_seeded_title_counts_the_batch_not_the_workload() -> None:
     in_batch = len(view.batch["req_ids"])
     assert in_batch < 6  # the workload has 6 requests; this step's batch holds fewer
     assert f"{in_batch} requests in the batch (of 6 in the workload)" in view.title
+
+
+def test_a_drafting_step_shows_its_drafts_slots_and_logits_rows(backend: BackendHandle) -> None:
+    """Seed 1, step 4 with up to 3 drafts: which tokens are drafts follows from the snapshot's known tokens,
+    and each request's logits rows are its last 1 + k tokens (k drafts), in batch order."""
+    view = seeded_step(backend, seed=1, step=4, spec_tokens=3)
+    ex = explain_step(view)
+    assert ex.has_drafts
+    known = {s.req_id: len(s.token_ids) for s in view.snapshot}
+    expected_logits = []
+    for r in ex.batch_rows:
+        rows = [t for t in ex.tokens if t.batch_idx == r.batch_idx]
+        drafts = [t.position >= known[r.req_id] for t in rows]
+        assert [t.is_draft for t in rows] == drafts
+        assert r.num_drafts == sum(drafts)
+        expected_logits += [t.flat_idx for t in rows[len(rows) - 1 - sum(drafts) :]]
+        for t in rows:  # drafts get slots like any other token
+            assert all(a.consistent and a.slot >= 0 for a in t.addresses)
+    assert sum(r.num_drafts for r in ex.batch_rows) > 0
+    assert list(ex.logits_indices) == expected_logits
+    assert [t.logits_row for t in ex.tokens if t.logits_row is not None] == list(range(len(expected_logits)))
+    result = CliRunner().invoke(app, ["explain", "--backend", backend.name, "--seed", "1", "--step", "4",
+                                      "--spec-tokens", "3"], env=WIDE)  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "draft" in result.output and f"logits_indices = {expected_logits}" in result.output
+
+
+def test_spec_tokens_without_a_seed_is_refused() -> None:
+    result = CliRunner().invoke(app, ["explain", "--spec-tokens", "2"])
+    assert result.exit_code != 0 and "--seed" in result.output

@@ -63,6 +63,11 @@ def explain(
     png: Annotated[
         Path | None, typer.Option(callback=options.suffix("png"), help="also draw the step as a PNG picture here")
     ] = None,
+    spec_tokens: Annotated[
+        int,
+        typer.Option(min=0, help="with --seed: the scheduler drafts up to K tokens per request (speculative "
+                     "decoding); the step shows which tokens are drafts, their slots and logits rows"),
+    ] = 0,
 ) -> None:
     """Show one step in the four index spaces: state rows, batch, flat tokens, each token's path to its slot."""
     from conformance.backends import load_backend
@@ -70,12 +75,14 @@ def explain(
     from slotmap.pictures.explanation import explain_step
     from slotmap.pictures.terminal import render
 
+    if spec_tokens and seed is None:
+        raise typer.BadParameter("--spec-tokens needs --seed (the worked example has no drafts)")
     handle = load_backend(backend)
     try:
         if seed is None:
             view = steps.worked_example_step(handle, 2 if step is None else step, pad_to)
         else:
-            view = steps.seeded_step(handle, seed, step, pad_to)
+            view = steps.seeded_step(handle, seed, step, pad_to, spec_tokens)
     except ValueError as e:  # a step past the schedule, or a pad_to below the step's tokens
         raise typer.BadParameter(str(e)) from e
     ex = explain_step(view)

@@ -41,6 +41,7 @@ class BatchRow:
     token_start: int  # query_start_loc[batch_idx]
     token_end: int  # query_start_loc[batch_idx + 1]
     seq_len: int
+    num_drafts: int = 0  # its last num_drafts tokens are drafts (speculative decoding)
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,9 @@ class TokenRow:
     input_id: int
     addresses: tuple[Address, ...]  # per group; empty for padding
     slots: tuple[int, ...]  # per group: the backend's slot_mappings[g][flat_idx] (PAD_SLOT_ID for padding)
+    is_draft: bool = False  # a draft token: past the request's known tokens, not one of them until accepted
+    logits_row: int | None = None  # its row in logits[logits_indices], None where no logits are taken
+    verifies: str = ""  # what the logits at this token decide: "draft 0", ..., "bonus", "sample"
 
 
 @dataclass(frozen=True)
@@ -84,6 +88,8 @@ class Explanation:
     query_start_loc: tuple[int, ...]  # [num_reqs + 1]
     tokens: tuple[TokenRow, ...]  # [num_tokens_padded]
     colours: dict[str, str]  # req_id -> colour
+    logits_indices: tuple[int, ...] = ()  # [num_reqs + num_drafts] flat token indices whose logits are sampled
+    has_drafts: bool = False
 
     def colour(self, req_id: str | None) -> str:
         return PAD_COLOUR if req_id is None else self.colours[req_id]
@@ -99,13 +105,17 @@ def explain_step(view: StepView) -> Explanation:
         StateRow(s.row, s.req_id, s.num_computed_tokens, len(s.token_ids), s.block_ids, batch_of.get(s.req_id))
         for s in view.snapshot
     )
+    has_drafts = batch.get("num_draft_tokens") is not None
+    num_drafts = [int(k) for k in batch["num_draft_tokens"]] if has_drafts else [0] * len(req_ids)
     batch_rows = tuple(
         BatchRow(
             b, r, int(index_mapping[b]), int(batch["num_scheduled_tokens"][b]), qsl[b], qsl[b + 1],
-            int(batch["seq_lens"][b]),
+            int(batch["seq_lens"][b]), num_drafts[b],
         )
         for b, r in enumerate(req_ids)
     )  # fmt: skip
+    logits_indices = [int(i) for i in batch["logits_indices"]]
+    logits_row = {flat: row for row, flat in enumerate(logits_indices)}  # flat token index -> logits row
     owner = [b for b in range(len(req_ids)) for _ in range(qsl[b], qsl[b + 1])]  # flat token index -> batch_idx
     tokens = []
     for t in range(int(batch["num_tokens_padded"])):
@@ -120,7 +130,16 @@ def explain_step(view: StepView) -> Explanation:
             logical, offset = divmod(position, group.block_size)
             physical = int(batch["block_tables"][g][b, logical])
             addresses.append(Address(logical, offset, physical, slots[g], group.block_size))
-        tokens.append(TokenRow(t, b, req_ids[b], position, input_id, tuple(addresses), slots))
+        from_end = qsl[b + 1] - t  # 1 for the request's last token
+        is_draft = from_end <= num_drafts[b]
+        verifies = ""
+        if t in logits_row:
+            index = num_drafts[b] + 1 - from_end  # among the request's 1 + k logits rows
+            verifies = f"draft {index}" if index < num_drafts[b] else ("bonus" if num_drafts[b] else "sample")
+        tokens.append(
+            TokenRow(t, b, req_ids[b], position, input_id, tuple(addresses), slots, is_draft, logits_row.get(t),
+                     verifies)
+        )  # fmt: skip
     by_colour = [*req_ids, *(s.req_id for s in state_rows if s.batch_idx is None)]  # the batch gets the first colours
     colours = {r: PALETTE[i % len(PALETTE)] for i, r in enumerate(by_colour)}
     return Explanation(
@@ -131,6 +150,8 @@ def explain_step(view: StepView) -> Explanation:
         tuple(qsl),
         tuple(tokens),
         colours,
+        tuple(logits_indices),
+        has_drafts,
     )
 
 

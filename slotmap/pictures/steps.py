@@ -10,7 +10,9 @@ from typing import Any
 import numpy as np
 
 from conformance.backends import BackendHandle
+from conformance.driving import draft_fields
 from conformance.examples import worked_example
+from spec.drafts import pad_accepted
 from spec.types import KVCacheGroup, PoolSnapshot, SchedulerOutput, WorkerConfig
 
 # Small enough to read in a terminal, rich enough to show chunked prefill, prefix sharing, a sliding
@@ -77,11 +79,14 @@ def worked_example_step(backend: BackendHandle, step: int = 2, pad_to: int | Non
     )
 
 
-def seeded_step(backend: BackendHandle, seed: int, step: int | None = None, pad_to: int | None = None) -> StepView:
+def seeded_step(
+    backend: BackendHandle, seed: int, step: int | None = None, pad_to: int | None = None, spec_tokens: int = 0
+) -> StepView:
     """Step `step` of a random workload run by the reference scheduler (same seed, same step, any backend).
 
     The model is faked: each batch row "samples" a token drawn from a generator seeded by `seed`.
-    `pad_to` overrides the scheduler's padding bucket for the explained step.
+    `pad_to` overrides the scheduler's padding bucket for the explained step. With `spec_tokens` the
+    scheduler drafts (random drafts, up to that many per request) and its rejection step keeps some.
     """
     from conformance.scheduler import ReferenceScheduler, SchedulerKnobs, make_workload
 
@@ -90,7 +95,7 @@ def seeded_step(backend: BackendHandle, seed: int, step: int | None = None, pad_
         raise ValueError(f"step must be >= 1, got {step}")
     config = SEEDED_CONFIG
     workload = make_workload(seed, config, num_requests=6, max_arrival_step=3, max_new_tokens=8)
-    knobs = SchedulerKnobs(max_chunk=12, pad_buckets=(8, 16, 24))
+    knobs = SchedulerKnobs(max_chunk=12, pad_buckets=(8, 16, 24), spec_tokens=spec_tokens)
     sched = ReferenceScheduler(config, workload, knobs, seed=seed)
     pool = backend.make_pool(config)
     sampler = random.Random(seed)
@@ -102,14 +107,22 @@ def seeded_step(backend: BackendHandle, seed: int, step: int | None = None, pad_
         pool.apply(out)
         if number == step:
             batch = pool.prepare(out, padded if pad_to is None else pad_to)
+            drafts = sum(len(d) for d in out.scheduled_spec_decode_tokens.values())
             title = (
                 f"seed {seed}, step {step}: {batch.num_reqs} requests in the batch "
                 f"(of {len(workload.requests)} in the workload), reference scheduler"
+                + (f", {drafts} draft tokens" if spec_tokens else "")
             )
-            return StepView(config, pool.snapshot(), backend.batch_to_numpy(batch), title)
+            numpy_batch = backend.batch_to_numpy(batch) | draft_fields(backend, batch)
+            return StepView(config, pool.snapshot(), numpy_batch, title)
         batch = pool.prepare(out, padded)
         tokens = [sampler.randrange(config.vocab_size) for _ in batch.req_ids]
-        pool.record_sampled(batch, backend.asarray(np.array(tokens, np.int64)))
         taking = set(sched.sampling_req_ids(out))
-        sched.update(out, {r: t for r, t in zip(batch.req_ids, tokens, strict=True) if r in taking})
+        kept = sched.rejection_step(out, {r: t for r, t in zip(batch.req_ids, tokens, strict=True) if r in taking})
+        if out.scheduled_spec_decode_tokens:
+            ids = pad_accepted([kept.get(r, (t,)) for r, t in zip(batch.req_ids, tokens, strict=True)])
+        else:
+            ids = np.array(tokens, np.int64)
+        pool.record_sampled(batch, backend.asarray(ids))
+        sched.update(out, kept)
     raise AssertionError("unreachable: the loop returns at `step`")

@@ -31,40 +31,60 @@ def render(ex: Explanation, console: Console) -> None:
     batch = Table(title="2. batch: batch_idx → req_state_idx (index_mapping), sorted by num_scheduled_tokens")
     for col in ("batch_idx", "req_id", "req_state_idx", "num_scheduled_tokens", "flat tokens", "seq_len"):
         batch.add_column(col, justify="right")
+    if ex.has_drafts:
+        batch.add_column("num_draft_tokens", justify="right")
     for r in ex.batch_rows:
+        drafts = [str(r.num_drafts)] if ex.has_drafts else []
         batch.add_row(
             str(r.batch_idx), req(r.req_id), str(r.req_state_idx), str(r.num_scheduled_tokens),
-            f"[{r.token_start}, {r.token_end})", str(r.seq_len),
+            f"[{r.token_start}, {r.token_end})", str(r.seq_len), *drafts,
         )  # fmt: skip
     console.print(batch)
     console.print(f"index_mapping = {[r.req_state_idx for r in ex.batch_rows]}")
     console.print(f"query_start_loc = {list(ex.query_start_loc)}")
 
     tokens = Table(title="3. flat tokens: flat idx → (batch_idx, position), cut by query_start_loc")
-    for col in ("flat idx", "query_start_loc", "batch_idx", "req_id", "position", "input_id"):
+    columns = ["flat idx", "query_start_loc", "batch_idx", "req_id", "position", "input_id"]
+    if ex.has_drafts:  # speculative decoding: which tokens are drafts, and where each request's logits are taken
+        columns += ["draft", "logits row (logits_indices)", "its logits decide"]
+    for col in columns:
         tokens.add_column(col, justify="right")
     starts = {start: b for b, start in enumerate(ex.query_start_loc[:-1])}
     for t in ex.tokens:
         boundary = f"[{starts[t.flat_idx]}] = {t.flat_idx}" if t.flat_idx in starts and t.req_id is not None else ""
-        tokens.add_row(
+        cells: list[str | Text] = [
             str(t.flat_idx), boundary, "-" if t.batch_idx is None else str(t.batch_idx), req(t.req_id),
-            str(t.position), str(t.input_id), end_section=_ends_request(ex, t),
-        )  # fmt: skip
+            str(t.position), str(t.input_id),
+        ]  # fmt: skip
+        if ex.has_drafts:
+            logits = "" if t.logits_row is None else f"{t.logits_row} (flat {t.flat_idx})"
+            cells += [Text("draft", style="bold") if t.is_draft else Text(""), logits, t.verifies]
+        tokens.add_row(*cells, end_section=_ends_request(ex, t))
     console.print(tokens)
+    if ex.has_drafts:
+        console.print(f"logits_indices = {list(ex.logits_indices)}")
+        console.print(
+            "drafts are input tokens past each request's known tokens: they get slots like any token, and the "
+            "logits at the token before each draft verify it (vLLM's target_logits_indices); the last row of "
+            "each request gives its bonus token (bonus_logits_indices)"
+        )
 
     for g, group in enumerate(ex.groups):
         paths = Table(title=f"{4 + g}. addresses in KV {group_label(g, group)}: position → slot")
         for col in ("flat idx", "req_id", "position", "→ (logical, offset)", "→ physical block", "→ slot"):
             paths.add_column(col, justify="right")
+        if ex.has_drafts:
+            paths.add_column("draft", justify="right")
         for t in ex.tokens:
             if not t.addresses:
                 paths.add_row(str(t.flat_idx), req(None), str(t.position), "", "", str(t.slots[g]))
                 continue
             a = t.addresses[g]
             slot = Text(str(a.slot), style="" if a.consistent else "bold red")
+            draft = [Text("draft", style="bold") if t.is_draft else Text("")] if ex.has_drafts else []
             paths.add_row(
                 str(t.flat_idx), req(t.req_id), str(t.position), f"({a.logical_block}, {a.offset})",
-                str(a.physical_block), slot, end_section=_ends_request(ex, t),
+                str(a.physical_block), slot, *draft, end_section=_ends_request(ex, t),
             )  # fmt: skip
         console.print(paths)
     if any(not a.consistent for t in ex.tokens for a in t.addresses):
