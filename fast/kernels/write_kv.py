@@ -17,6 +17,12 @@ from fast.runtime import kernel
 _MAX_TILE_BYTES = 8192
 
 
+def head_tile(num_kv_heads: int, head_dim: int, element_size: int) -> tuple[int, int]:
+    """(BLOCK_H, BLOCK_D): KV heads per program (a power of two) and padded head_dim."""
+    block_d = triton.next_power_of_2(head_dim)
+    return min(triton.next_power_of_2(num_kv_heads), max(1, _MAX_TILE_BYTES // (block_d * element_size))), block_d
+
+
 def write_kv_triton(
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], written in place
     value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], written in place
@@ -29,8 +35,7 @@ def write_kv_triton(
     if num_tokens == 0:  # an empty step (say, one that only finishes requests); its strides mean nothing
         return
     _check_launch(key_cache, value_cache, key, value, slot_mapping)
-    block_d = triton.next_power_of_2(head_dim)
-    block_h = min(triton.next_power_of_2(num_kv_heads), max(1, _MAX_TILE_BYTES // (block_d * key.element_size())))
+    block_h, block_d = head_tile(num_kv_heads, head_dim, key.element_size())
     grid = (num_tokens, triton.cdiv(num_kv_heads, block_h))
     _write_kv_kernel[grid](
         key_cache, value_cache, key, value, slot_mapping,
