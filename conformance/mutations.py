@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from conformance.malformed import CHECK_ONE, edit
+from conformance.mutations_drafts import with_draft_faults
 from spec.errors import (
     ALL_ERRORS,
     BlockIdError,
@@ -506,3 +507,6 @@ def breaker(
         return break_output(cls, out, config, snapshot, rng)
 
     return apply
+
+
+break_output = with_draft_faults(break_output)  # type: ignore[assignment]  # draft faults mixed in (issue 12)

@@ -148,7 +148,7 @@ def plan_step(state: PoolState, sched: SchedulerOutput) -> StepPlan:
                 check(state, s, g)
     _check_unique_slots(state, scheduled)
 
-    plan.scheduled = list(sched.num_scheduled_tokens.items())  # what prepare reads: frozen here
+    plan.scheduled = [(r, int(n)) for r, n in sched.num_scheduled_tokens.items()]  # what prepare reads: frozen here
     for s, update_row in zip(scheduled, _rows(state, sched, plan), strict=True):
         plan.num_computed_tokens[update_row] = int(s.num_computed)
     plan.table_updates = _table_updates(state, sched, plan, scheduled)
@@ -280,8 +280,8 @@ def _scheduled_requests(state: PoolState, sched: SchedulerOutput, plan: StepPlan
             _Scheduled(
                 new.req_id,
                 len(new.prompt_token_ids),
-                new.num_computed_tokens,
-                sched.num_scheduled_tokens[new.req_id],
+                int(new.num_computed_tokens),  # integers of any type (check 1): mixed NumPy types must not promote
+                int(sched.num_scheduled_tokens[new.req_id]),
                 _num_drafts(plan, new.req_id),
                 tables,
                 malformed,
@@ -297,8 +297,8 @@ def _scheduled_requests(state: PoolState, sched: SchedulerOutput, plan: StepPlan
             _Scheduled(
                 cached.req_id,
                 known,
-                cached.num_computed_tokens,
-                sched.num_scheduled_tokens[cached.req_id],
+                int(cached.num_computed_tokens),
+                int(sched.num_scheduled_tokens[cached.req_id]),
                 _num_drafts(plan, cached.req_id),
                 tables,
                 malformed,
