@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from conformance.scheduler import SchedulerKnobs, Workload, make_workload
 from spec.types import KVCacheGroup, WorkerConfig
@@ -60,7 +60,10 @@ def cache_elements(config: WorkerConfig, attention: AttentionSpec) -> int:
     return sum(g.num_blocks * g.block_size for g in config.kv_groups) * attention.num_kv_heads * attention.head_dim
 
 
-def random_scenario(seed: int) -> Scenario:
+def random_scenario(seed: int, spec_decode: bool = False) -> Scenario:
+    """The scenario of `seed`; with `spec_decode` its scheduler also drafts (speculative decoding), in the
+    same ranges as conformance.strategies. Without, a seed gives the scenario it gave before drafts existed,
+    for code that speaks only plain decoding (the vLLM conversion, the shadow checker's engine)."""
     rng = random.Random(seed)
     max_model_len = rng.randint(2, MAX_MODEL_LEN)
     max_num_reqs = rng.randint(1, 8)
@@ -88,8 +91,6 @@ def random_scenario(seed: int) -> Scenario:
         pad_buckets=rng.choice(((), (8, 16, 32, 64, 128, 256), (rng.randint(1, 300),))),
         abort_prob=rng.choice((0.0, 0.0, 0.05)),
         shuffle_order=rng.random() < 0.5,
-        spec_tokens=rng.choice(SPEC_TOKENS),
-        acceptance_rate=rng.choice(ACCEPTANCE_RATES),
     )
     workload = make_workload(
         rng.randrange(2**32),
@@ -105,4 +106,8 @@ def random_scenario(seed: int) -> Scenario:
     )  # fmt: skip
     if attention is not None and cache_elements(config, attention) > KV_CACHE_ELEMENT_LIMIT:
         attention = None
-    return Scenario(config, workload, knobs, attention, rng.randrange(2**32))
+    scenario_seed = rng.randrange(2**32)
+    spec_tokens, acceptance_rate = rng.choice(SPEC_TOKENS), rng.choice(ACCEPTANCE_RATES)  # drawn last: see above
+    if spec_decode:
+        knobs = replace(knobs, spec_tokens=spec_tokens, acceptance_rate=acceptance_rate)
+    return Scenario(config, workload, knobs, attention, scenario_seed)

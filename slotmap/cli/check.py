@@ -47,7 +47,7 @@ def check_command(options: CheckOptions, console: Console) -> bool:
         task = progress.add_task(f"spec vs {candidate.name}", total=options.steps)
         while totals["steps"] < options.steps:
             scenario_seed = seeds.randrange(2**32)
-            run = DifferentialRun(random_scenario(scenario_seed), candidate)
+            run = DifferentialRun(random_scenario(scenario_seed, spec_decode=True), candidate)
             rng = random.Random(scenario_seed)
             totals["scenarios"] += 1
             try:
