@@ -70,13 +70,17 @@ def check_command(options: CheckOptions, console: Console) -> bool:
             totals["requests"] += run.sched.stats.admitted
             totals["preemptions"] += run.sched.stats.preemptions
             totals["prefix hit tokens"] += run.sched.stats.prefix_hit_tokens
+            totals["draft tokens"] += run.sched.stats.drafts_scheduled
+            totals["draft tokens accepted"] += run.sched.stats.drafts_accepted
             totals["with attention"] += run.steps if run.scenario.attention is not None else 0
             rejected.update(run.rejected)
 
     table = Table(title=f"slotmap check: spec vs {candidate.name} agree (seed {options.seed})")
     table.add_column("what")
     table.add_column("count", justify="right")
-    for key in ("scenarios", "steps", "with attention", "requests", "preemptions", "prefix hit tokens"):
+    keys = ("scenarios", "steps", "with attention", "requests", "preemptions", "prefix hit tokens", "draft tokens",
+            "draft tokens accepted")  # fmt: skip
+    for key in keys:
         table.add_row(key if key != "with attention" else "steps with KV + attention compared", str(totals[key]))
     table.add_row("invalid outputs rejected identically", str(sum(rejected.values())))
     for name, n in sorted(rejected.items()):
