@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import spec
+from conformance.driving import sampled_array
 from conformance.scenario import random_scenario
 from conformance.scheduler import ReferenceScheduler, SchedulerKnobs, make_workload
 from spec.interop import VllmConversionError, from_vllm
@@ -67,7 +68,10 @@ def as_vllm(out: SchedulerOutput, sched: ReferenceScheduler) -> VllmOutput:
             all_token_ids={r.req_id: list(sched.requests[r.req_id].tokens) for r in cached if r.resumed},
         ),
         num_scheduled_tokens=dict(out.num_scheduled_tokens),
-        scheduled_spec_decode_tokens={r: [] for r in out.num_scheduled_tokens},  # empty drafts pass
+        # vLLM lists drafting requests only; an empty list per other request must read as "no drafts" too
+        scheduled_spec_decode_tokens={
+            r: list(out.scheduled_spec_decode_tokens.get(r, ())) for r in out.num_scheduled_tokens
+        },
         finished_req_ids=set(out.finished_req_ids),
         preempted_req_ids=set(),
     )
@@ -83,13 +87,13 @@ def _stress(seed: int) -> tuple[WorkerConfig, ReferenceScheduler]:
 def _schedulers() -> list[tuple[WorkerConfig, ReferenceScheduler]]:
     runs = [_stress(s) for s in range(4)]
     for seed in range(6):
-        scenario = random_scenario(seed)
+        scenario = random_scenario(seed, spec_decode=seed % 2 == 1)  # half of them draft
         runs.append((scenario.config, ReferenceScheduler(scenario.config, scenario.workload, scenario.knobs, seed)))
     return runs
 
 
 def test_every_kind_of_step_converts_and_runs_through_spec_identically() -> None:
-    kinds = {"new": 0, "resumed": 0, "finished": 0, "prefix_hit": 0, "no_new_blocks": 0, "chunked": 0}
+    kinds = {"new": 0, "resumed": 0, "finished": 0, "prefix_hit": 0, "no_new_blocks": 0, "chunked": 0, "drafting": 0}
     for config, sched in _schedulers():
         direct, converted = spec.RequestStatePool(config), spec.RequestStatePool(config)
         rng = np.random.default_rng(0)
@@ -105,6 +109,7 @@ def test_every_kind_of_step_converts_and_runs_through_spec_identically() -> None
             kinds["prefix_hit"] += sum(r.num_computed_tokens > 0 for r in out.new_requests)
             kinds["no_new_blocks"] += sum(r.new_block_ids is None for r in out.cached_requests)
             kinds["chunked"] += sum(n > 1 for n in out.num_scheduled_tokens.values()) > 0
+            kinds["drafting"] += len(out.scheduled_spec_decode_tokens)
             pad_to = sched.pad_to(out)
             for pool, o in ((direct, out), (converted, back)):
                 pool.apply(o)
@@ -116,10 +121,12 @@ def test_every_kind_of_step_converts_and_runs_through_spec_identically() -> None
                 else:
                     assert np.array_equal(want, got), f.name
             takes = sched.sampling_req_ids(out)
-            sampled = [int(rng.integers(config.vocab_size)) for _ in batch.req_ids]
-            direct.record_sampled(batch, np.array(sampled))
-            converted.record_sampled(batch_back, np.array(sampled))
-            sched.update(out, {r: t for r, t in zip(batch.req_ids, sampled, strict=True) if r in takes})
+            target = {r: int(rng.integers(config.vocab_size)) for r in batch.req_ids}
+            kept = sched.rejection_step(out, {r: target[r] for r in takes})  # drafts the target keeps
+            ids = sampled_array([kept.get(r, target[r]) for r in batch.req_ids])
+            direct.record_sampled(batch, ids)
+            converted.record_sampled(batch_back, ids)
+            sched.update(out, kept)
             assert direct.snapshot() == converted.snapshot()
     assert all(kinds.values()), kinds
 
@@ -145,7 +152,6 @@ def test_a_minimal_output_maps_field_for_field() -> None:
 @pytest.mark.parametrize(
     ("changes", "req_id", "field_name"),
     [
-        ({"scheduled_spec_decode_tokens": {"n": [], "c": [7, 8]}}, "c", "scheduled_spec_decode_tokens"),
         ({"scheduled_new_reqs": [NewRequestData("n", None, ([5],), 0)]}, "n", "prompt_token_ids"),
         ({"preempted_req_ids": {"c"}}, "c", "preempted_req_ids"),
         (

@@ -4,13 +4,13 @@
 by the `Vllm*` dataclasses below; vLLM itself is never imported, any object with these attributes
 works) and returns slotmap's `SchedulerOutput`. What it cannot map raises `VllmConversionError`
 naming the request and the field:
-- `scheduled_spec_decode_tokens` with drafts (slotmap has no speculative decoding yet; empty is fine);
 - a new request without `prompt_token_ids` (prompt embeddings), columns of different lengths, a
   preempted request that is also scheduled, a resumed request not in `req_ids`;
 - with `known_token_ids` (req_id -> the tokens slotmap's pool holds, e.g. from a snapshot), an entry of
   `all_token_ids` that disagrees with them: vLLM re-sends a resumed request's tokens because its worker
   dropped the request at preemption, while slotmap's pool kept the row and its tokens.
 `preempted_req_ids` needs no action: a preempted request keeps its row in slotmap until it resumes.
+`scheduled_spec_decode_tokens` carries over as is (a request's drafts; empty lists dropped, as absent).
 
 `flash_attn_metadata(batch, config, group)` names a group's arrays as vLLM's flash-attention backend
 does; `vllm_compatible=True` applies the conventions that change values (docs/porting.md): the
@@ -96,11 +96,6 @@ def _groups(block_ids: object, req_id: str, field_name: str) -> tuple[tuple[int,
 def from_vllm(out: object, known_token_ids: Mapping[str, Sequence[int]] | None = None) -> SchedulerOutput:
     """slotmap's SchedulerOutput for a vLLM-shaped one (module docstring)."""
     drafts = _read(out, "scheduled_spec_decode_tokens", "SchedulerOutput") or {}
-    for req_id, tokens in drafts.items():
-        if len(tokens):
-            raise VllmConversionError(
-                req_id, "scheduled_spec_decode_tokens", f"{len(tokens)} drafts: slotmap has no speculative decoding"
-            )
     num_scheduled = dict(_read(out, "num_scheduled_tokens", "SchedulerOutput"))
     preempted = set(_read(out, "preempted_req_ids", "SchedulerOutput") or ())
     for req_id in preempted & set(num_scheduled):
@@ -145,6 +140,7 @@ def from_vllm(out: object, known_token_ids: Mapping[str, Sequence[int]] | None =
         cached_requests=tuple(cached),
         num_scheduled_tokens=num_scheduled,
         finished_req_ids=frozenset(_read(out, "finished_req_ids", "SchedulerOutput")),
+        scheduled_spec_decode_tokens={r: tuple(tokens) for r, tokens in drafts.items() if len(tokens)},
     )
 
 
