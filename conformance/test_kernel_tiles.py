@@ -73,7 +73,9 @@ def test_long_requests_windowed_and_soft_capped(
     new_keys = rng.standard_normal((slots.size, NUM_KV_HEADS, HEAD_DIM)).astype(np.float32)
     new_values = rng.standard_normal((slots.size, NUM_KV_HEADS, HEAD_DIM)).astype(np.float32)
     caches = [backend.asarray(c.astype(np.float32)) for c in (key_cache, value_cache)]
-    backend.module.write_kv(*caches, backend.asarray(new_keys), backend.asarray(new_values), backend.asarray(slots))
+    backend.module.write_kv(
+        caches[0], caches[1], backend.asarray(new_keys), backend.asarray(new_values), backend.asarray(slots)
+    )
     key_cache[slots // BLOCK_SIZE, slots % BLOCK_SIZE] = new_keys
     value_cache[slots // BLOCK_SIZE, slots % BLOCK_SIZE] = new_values
     np.testing.assert_array_equal(backend.to_numpy(caches[0]), key_cache.astype(np.float32))
@@ -83,7 +85,7 @@ def test_long_requests_windowed_and_soft_capped(
     out = backend.module.paged_attention(backend.asarray(q32), *caches, *(backend.asarray(a) for a in ints), **kwargs)
     floats = (q32.astype(np.float64), key_cache.astype(np.float32).astype(np.float64),
               value_cache.astype(np.float32).astype(np.float64))  # fmt: skip
-    ref64 = spec.paged_attention(*floats, *ints, **kwargs)  # type: ignore[arg-type]
+    ref64 = spec.paged_attention(*floats, *ints, **kwargs)
     low = spec_in_dtype(spec.paged_attention, "float32", floats, *ints, **kwargs)
     assert_attention_close(backend.to_numpy(out), ref64, low, "float32")
 
@@ -99,7 +101,7 @@ def test_write_kv_across_head_tiles(backend: BackendHandle) -> None:
     key, value = (rng.standard_normal((5, num_kv_heads, head_dim)).astype(np.float32) for _ in "kv")
     slots = np.array([3, -1, 11, 0, 6], np.int64)
     caches = [backend.asarray(c) for c in (key_cache, value_cache)]
-    backend.module.write_kv(*caches, backend.asarray(key), backend.asarray(value), backend.asarray(slots))
+    backend.module.write_kv(caches[0], caches[1], backend.asarray(key), backend.asarray(value), backend.asarray(slots))
     spec.write_kv(key_cache, value_cache, key, value, slots)
     np.testing.assert_array_equal(backend.to_numpy(caches[0]), key_cache)
     np.testing.assert_array_equal(backend.to_numpy(caches[1]), value_cache)
