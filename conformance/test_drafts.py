@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import types
 from collections.abc import Callable
 
 import numpy as np
@@ -15,7 +16,7 @@ import pytest
 
 import spec
 from conformance.backends import BackendHandle
-from conformance.differential import DifferentialRun
+from conformance.differential import DifferentialRun, MismatchError, drive
 from conformance.driving import draft_fields, sampled_array, step
 from conformance.mutations_drafts import DRAFT_BREAKERS, break_drafts
 from conformance.scenario import random_scenario
@@ -276,3 +277,36 @@ def test_every_draft_fault_is_provoked_and_survived(backend: BackendHandle, cls:
                 run.step()  # and the pool keeps working after the rejection
                 return
     pytest.fail(f"no scenario offered a draft fault of class {cls.__name__}")
+
+
+class _DraftsNotStoredPool(spec.RequestStatePool):
+    """spec with a classic bug: draft positions read the token storage (where nobody wrote the drafts)."""
+
+    def prepare(self, sched: SchedulerOutput, pad_to: int | None = None) -> spec.BatchInputs:
+        batch = super().prepare(sched, pad_to)
+        if batch.num_draft_tokens is not None:
+            ends = batch.query_start_loc[1:]
+            for b, k in enumerate(batch.num_draft_tokens.tolist()):
+                rows = self.token_ids[batch.index_mapping[b]]
+                batch.input_ids[ends[b] - k : ends[b]] = rows[batch.positions[ends[b] - k : ends[b]]]
+        return batch
+
+
+def test_the_differential_suite_catches_drafts_read_from_storage() -> None:
+    """Control: a backend that never places the drafts as input ids fails on the first drafting step."""
+    module = types.SimpleNamespace(
+        RequestStatePool=_DraftsNotStoredPool, write_kv=spec.write_kv, paged_attention=spec.paged_attention
+    )
+    broken = BackendHandle("drafts-not-stored", module)
+    for seed in range(20):
+        scenario = random_scenario(seed, spec_decode=True)
+        scenario = dataclasses.replace(
+            scenario, attention=None, knobs=dataclasses.replace(scenario.knobs, spec_tokens=3)
+        )
+        run = DifferentialRun(scenario, broken)
+        try:
+            drive(run, 60)
+        except MismatchError as exc:
+            assert "input_ids" in exc.message
+            return
+    pytest.fail("no scenario exposed drafts missing from the input ids")
