@@ -40,3 +40,10 @@ def gather_input_ids(
     num_tokens = token_rows_np.shape[0]
     out[:num_tokens] = token_ids_np.ravel()[token_rows_np * token_ids_np.shape[1] + positions_np]
     out[num_tokens:] = 0
+
+
+def ranges(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For ranges of the given lengths laid end to end: (range index, index within range) per element."""
+    which = np.repeat(np.arange(lengths.shape[0]), lengths)
+    within = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    return which, within

@@ -39,13 +39,13 @@ import numpy as np
 import torch
 
 from fast.batch import batch_order
-from fast.flatten import flatten, gather_input_ids
+from fast.flatten import flatten, gather_input_ids, ranges
 from fast.kernels.prepare import prepare_triton
 from fast.runtime import interpret, interpret_enabled, use_triton
 from fast.slots import gather_block_tables, slot_mapping
 from fast.state import DeviceState
 from fast.validate import StepPlan, from_spec_plan, last_null_entries, plan_bulk_step
-from fast.writes import apply_writes, ranges, step_writes, upload
+from fast.writes import apply_writes, step_writes, upload
 from spec.drafts import DraftLogits, accepted_rows, check_accepted, draft_logits
 from spec.errors import InconsistentSchedulerOutputError, ModelLengthError, TokenIdError, UnknownRequestError
 from spec.state import PoolState

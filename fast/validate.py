@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from fast.writes import ranges
+from fast.flatten import ranges
 from spec.state import PoolState
 from spec.state import StepPlan as SpecStepPlan
 from spec.types import NULL_BLOCK_ID, CachedRequest, CachedRequestColumns, NewRequest, SchedulerOutput

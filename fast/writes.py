@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from fast.flatten import ranges
 from fast.kernels.apply_writes import apply_writes_triton
 from fast.state import DeviceState
 
@@ -62,14 +63,14 @@ def apply_writes(dev: DeviceState, writes: StepWrites) -> None:
     """
     if writes.empty:
         return  # nothing to launch
-    apply_writes_triton(dev, upload(writes.packed(), dev.device), writes)
-
-
-def ranges(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """For ranges of the given lengths laid end to end: (range index, index within range) per element."""
-    which = np.repeat(np.arange(lengths.shape[0]), lengths)
-    within = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-    return which, within
+    apply_writes_triton(
+        dev,
+        upload(writes.packed(), dev.device),
+        len(writes.table_ops),
+        len(writes.prompt_ops),
+        len(writes.computed),
+        len(writes.data),
+    )
 
 
 def step_writes(state: PoolState, plan: StepPlan) -> StepWrites:

@@ -23,7 +23,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 
@@ -127,13 +126,11 @@ def prepare_launch(num_groups: int, num_blocks: int) -> Launch:
 
 def apply_writes_launch(num_groups: int) -> Launch:
     from fast.kernels.apply_writes import apply_writes_triton
-    from fast.writes import StepWrites
 
-    ops = np.zeros((2, 6), np.int64), np.zeros((1, 3), np.int64), np.zeros((3, 2), np.int64), np.zeros(40, np.int64)
-    writes = StepWrites(*ops)
-    packed = torch.empty(writes.packed().shape[0], dtype=torch.int64, device="meta")
+    n_t, n_p, n_c, num_data = 2, 1, 3, 40  # ops of each kind, and data entries after them
+    packed = torch.empty(6 * n_t + 3 * n_p + 2 * n_c + num_data, dtype=torch.int64, device="meta")
     with captured_launches() as launches:
-        apply_writes_triton(_device_state(num_groups, 1000), packed, writes)
+        apply_writes_triton(_device_state(num_groups, 1000), packed, n_t, n_p, n_c, num_data)
     return _only(launches)
 
 

@@ -136,11 +136,6 @@ def test_no_import_cycle() -> None:
     assert find_cycle(import_graph(ROOT, type_only=False)) is None
 
 
-@pytest.mark.xfail(
-    strict=True,  # passes once fixed: then drop this mark, so the type-only imports are held to the rule too
-    reason="fast.kernels.apply_writes imports fast.writes.StepWrites under TYPE_CHECKING while fast.writes "
-    "imports the kernel: the launcher should take StepWrites' tensors, or StepWrites move below both",
-)
 def test_no_import_cycle_even_in_type_annotations() -> None:
     assert find_cycle(import_graph(ROOT)) is None
 

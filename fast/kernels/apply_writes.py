@@ -17,17 +17,22 @@ from fast.runtime import kernel
 
 if TYPE_CHECKING:
     from fast.state import DeviceState
-    from fast.writes import StepWrites
 
 BLOCK = 256
 
 
-def apply_writes_triton(dev: DeviceState, packed: torch.Tensor, writes: StepWrites) -> None:
-    n_t, n_p, n_c = len(writes.table_ops), len(writes.prompt_ops), len(writes.computed)
+def apply_writes_triton(
+    dev: DeviceState,
+    packed: torch.Tensor,  # [6 n_t + 3 n_p + 2 n_c + num_data] int64, fast.writes.StepWrites.packed()
+    n_t: int,  # table ops
+    n_p: int,  # prompt ops
+    n_c: int,  # num_computed_tokens pairs
+    num_data: int,  # block ids and prompt tokens after the ops
+) -> None:
     prompt_base = 6 * n_t
     computed_base = prompt_base + 3 * n_p
     data_base = computed_base + 2 * n_c
-    expected = (data_base + len(writes.data),)
+    expected = (data_base + num_data,)
     if packed.dtype != torch.int64 or tuple(packed.shape) != expected or packed.stride(0) != 1:
         raise ValueError(f"apply_writes: packed must be a contiguous {list(expected)} int64 tensor, got "
                          f"{tuple(packed.shape)} {packed.dtype}")  # fmt: skip
@@ -48,7 +53,7 @@ def apply_writes_triton(dev: DeviceState, packed: torch.Tensor, writes: StepWrit
         computed_base,
         data_base,
         dev.config.max_num_reqs,
-        dev.token_ids.stride(0),  # the token array grows with the longest request: its row stride, not max_model_len
+        dev.token_ids.stride(0),  # the token array grows with the longest request held (fast/state.py)
         len(dev.config.kv_groups),
         BLOCK=BLOCK,
     )
@@ -57,7 +62,7 @@ def apply_writes_triton(dev: DeviceState, packed: torch.Tensor, writes: StepWrit
 @kernel
 def _apply_writes_kernel(
     packed_ptr,  # [packed_len] int64, layout in fast/writes.py
-    token_ids_ptr,  # [R, token capacity] int32, row stride `max_model_len` (the argument below)
+    token_ids_ptr,  # [R, token_stride] int32
     tables_ptr,  # [R * sum_g max_blocks_per_req(g)] int32, group g at R * table_offset(g)
     num_blocks_ptr,  # [G, R] int32
     num_computed_ptr,  # [R] int64
@@ -69,7 +74,7 @@ def _apply_writes_kernel(
     computed_base,
     data_base,
     max_num_reqs,
-    max_model_len,
+    token_stride,  # columns of token_ids: its capacity, not max_model_len
     num_groups,
     BLOCK: tl.constexpr,
 ):
@@ -99,7 +104,7 @@ def _apply_writes_kernel(
         for start in range(0, length, BLOCK):
             cols = start + lanes
             mask = cols < length
-            tl.store(token_ids_ptr + row * max_model_len + cols, tl.load(src + cols, mask=mask), mask=mask)
+            tl.store(token_ids_ptr + row * token_stride + cols, tl.load(src + cols, mask=mask), mask=mask)
     else:
         pairs = (pid - num_table_ops - num_prompts) * BLOCK + lanes
         mask = pairs < num_computed

@@ -65,7 +65,7 @@ def prepare_triton(
         num_tokens,
         num_tokens_padded,
         dev.config.max_num_reqs,
-        dev.token_ids.stride(0),  # the token array grows with the longest request: its row stride, not max_model_len
+        dev.token_ids.stride(0),  # the token array grows with the longest request held (fast/state.py)
         groups,
         dev.total_width,
         PAD_SLOT_ID,
@@ -90,7 +90,7 @@ def prepare_triton(
 @kernel
 def _prepare_kernel(
     batch_ptr,  # [3 num_reqs + 1] int32: index_mapping (batch_idx -> req_state_idx) | num_scheduled | query_start_loc
-    token_ids_ptr,  # [R, token capacity] int32, row stride `max_model_len` (the argument below)
+    token_ids_ptr,  # [R, token_stride] int32
     tables_ptr,  # [R * total_width] int32, group g's [R, width_g] table at R * table_offset(g)
     num_computed_ptr,  # [R] int64, req_state_idx -> num_computed_tokens
     group_meta_ptr,  # [3, G] int64: block_size, width, table_offset
@@ -100,7 +100,7 @@ def _prepare_kernel(
     num_tokens,
     num_tokens_padded,
     max_num_reqs,
-    max_model_len,
+    token_stride,  # columns of token_ids: its capacity, not max_model_len
     num_groups,
     total_width,
     pad_slot_id,
@@ -131,7 +131,7 @@ def _prepare_kernel(
             flat = start_loc + i  # flat token index
             position = computed + i  # int64
             tl.store(out64_ptr + flat, position, mask=mask)
-            ids = tl.load(token_ids_ptr + row * max_model_len + position, mask=mask, other=0)
+            ids = tl.load(token_ids_ptr + row * token_stride + position, mask=mask, other=0)
             tl.store(out64_ptr + num_tokens_padded + flat, ids, mask=mask)
             for g in range(num_groups):
                 block_size = tl.load(group_meta_ptr + g)
