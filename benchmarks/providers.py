@@ -89,9 +89,18 @@ def slot_mapping_fn(provider: Provider) -> Callable[[Any, Any, Any, int], Any]:
         return numpy_slot_mapping
     if provider.name == "python-lists":
         return python_slot_mapping
+    return fast_slot_mapping
+
+
+def fast_slot_mapping(
+    block_table_np: np.ndarray, token_rows_np: np.ndarray, positions_np: np.ndarray, block_size: int
+) -> np.ndarray:
+    """fast's compiled CPU stage (it writes into the caller's buffer; here a fresh one, as the other providers)."""
     import fast.slots
 
-    return fast.slots.slot_mapping
+    out = np.empty(positions_np.shape[0], np.int64)
+    fast.slots.slot_mapping(block_table_np, token_rows_np, positions_np, block_size, out)
+    return out
 
 
 def host_arguments(fn: Callable[..., Any]) -> set[str]:

@@ -1,45 +1,51 @@
-"""Stage 4 on the host: flattening as spec/flatten.py, in NumPy over the pool's shared state.
+"""Stage 4 on the host: flattening as spec/flatten.py, compiled with Numba, over the pool's shared state.
 
 CUDA tensors (and CPU tensors under the Triton interpreter) take fast.kernels.prepare, which computes
 these arrays and the slot mappings in one launch. On plain CPU tensors the state IS host memory
-(fast.state's shared mode), so the whole stage is NumPy index arithmetic writing into the buffers the
-pool hands out as tensors: a handful of small torch ops costs several times the NumPy equivalents on
-CPU (dispatch overhead).
+(fast.state's shared mode), and this stage is one compiled loop over the batch writing into the
+buffers the pool hands out as tensors: a step's dozen small NumPy calls cost more in dispatch than
+the loop costs in work (docs/performance.md).
 """
 
 from __future__ import annotations
 
 import numpy as np
+from numba import njit
 
 
-def flatten(
-    index_mapping_np: np.ndarray,  # [num_reqs] int64, batch_idx -> req_state_idx
-    num_scheduled_np: np.ndarray,  # [num_reqs] int64
-    cu_num_tokens_np: np.ndarray,  # [num_reqs] int64, query_start_loc[1:]
-    num_computed_np: np.ndarray,  # [R] req_state_idx -> num_computed_tokens
-    out: np.ndarray,  # [T] int64, T >= num_tokens: positions, 0 past num_tokens
-) -> np.ndarray:  # [num_tokens] int64, flat token index -> req_state_idx
-    num_tokens = int(cu_num_tokens_np[-1]) if num_scheduled_np.size else 0
-    computed = num_computed_np[index_mapping_np]  # [num_reqs]
-    out[num_tokens:] = 0
-    if num_tokens == num_scheduled_np.size:  # decode: token b is batch row b
-        out[:num_tokens] = computed
-        return index_mapping_np
-    # position = num_computed + (t - query_start_loc[b]) = t + (num_computed - query_start_loc[b])
-    np.add(np.arange(num_tokens), np.repeat(computed - (cu_num_tokens_np - num_scheduled_np), num_scheduled_np),
-           out=out[:num_tokens])  # fmt: skip
-    return np.repeat(index_mapping_np, num_scheduled_np)
-
-
-def gather_input_ids(
-    token_ids_np: np.ndarray,  # [R, token capacity] int32
-    token_rows_np: np.ndarray,  # [num_tokens] int64
-    positions_np: np.ndarray,  # [num_tokens] int64
-    out: np.ndarray,  # [T] int64, T >= num_tokens: input ids, zero past num_tokens
-) -> None:
-    num_tokens = token_rows_np.shape[0]
-    out[:num_tokens] = token_ids_np.ravel()[token_rows_np * token_ids_np.shape[1] + positions_np]
-    out[num_tokens:] = 0
+@njit(cache=True, nogil=True)
+def flatten(  # pragma: no cover - compiled; tested through its results
+    index_mapping: np.ndarray,  # [num_reqs] int64, batch_idx -> req_state_idx
+    num_scheduled: np.ndarray,  # [num_reqs] int64
+    num_computed: np.ndarray,  # [R] int64, req_state_idx -> num_computed_tokens
+    token_ids: np.ndarray,  # [R, token capacity] int32
+    out32: np.ndarray,  # [>= 5 n + 1] int32: index_mapping | num_scheduled | query_start_loc | seq_lens | logits
+    positions: np.ndarray,  # [T] int64, 0 past num_tokens
+    input_ids: np.ndarray,  # [T] int64, 0 past num_tokens
+    token_rows: np.ndarray,  # [>= num_tokens] int64: flat token index -> req_state_idx
+) -> int:  # num_tokens
+    n = index_mapping.shape[0]
+    out32[2 * n] = 0  # query_start_loc[0]
+    t = 0
+    for b in range(n):
+        row = index_mapping[b]
+        count = num_scheduled[b]
+        computed = num_computed[row]
+        out32[b] = row
+        out32[n + b] = count
+        out32[2 * n + 1 + b] = t + count
+        out32[3 * n + 1 + b] = computed + count  # seq_len
+        out32[4 * n + 1 + b] = t + count - 1  # logits index: the request's last token
+        for i in range(count):
+            position = computed + i
+            positions[t] = position
+            input_ids[t] = token_ids[row, position]
+            token_rows[t] = row
+            t += 1
+    for pad in range(t, positions.shape[0]):
+        positions[pad] = 0
+        input_ids[pad] = 0
+    return t
 
 
 def ranges(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from fast.batch import batch_order
-from fast.flatten import flatten, gather_input_ids, ranges
+from fast.flatten import flatten, ranges
 from fast.kernels.prepare import prepare_triton
 from fast.runtime import interpret, interpret_enabled, use_triton
 from fast.slots import gather_block_tables, slot_mapping
@@ -189,7 +189,7 @@ class RequestStatePool:
         padded = int(padded)
         seq_lens = self.state.num_computed_tokens[rows] + num_scheduled  # [num_reqs] int64
         if self.dev.shared:
-            batch = self._prepare_host(req_ids, rows, num_scheduled, cu_num_tokens, seq_lens, padded)
+            batch = self._prepare_host(req_ids, rows, num_scheduled, num_tokens, padded)
         else:
             with interpret(self._interpret):
                 batch = self._prepare_kernel(req_ids, rows, num_scheduled, cu_num_tokens, padded)
@@ -238,36 +238,26 @@ class RequestStatePool:
         req_ids: tuple[str, ...],
         rows: np.ndarray,  # [num_reqs] int64 batch_idx -> req_state_idx
         num_scheduled: np.ndarray,  # [num_reqs] int64
-        cu_num_tokens: np.ndarray,  # [num_reqs] int64
-        seq_lens: np.ndarray,  # [num_reqs] int64
+        num_tokens: int,
         padded: int,
     ) -> BatchInputs:
         dev, state, groups = self.dev, self.state, self.config.kv_groups
         n, t = len(req_ids), padded
-        num_tokens = int(cu_num_tokens[-1]) if n else 0
         # out32 = index_mapping | num_scheduled | query_start_loc | seq_lens | logits_indices | tables per group
         out32 = self._buffer32(5 * n + 1 + n * dev.total_width)
-        out32[:n] = rows
-        out32[n : 2 * n] = num_scheduled
-        out32[2 * n] = 0
-        out32[2 * n + 1 : 3 * n + 1] = cu_num_tokens
-        out32[3 * n + 1 : 4 * n + 1] = seq_lens
-        np.subtract(cu_num_tokens, 1, out=out32[4 * n + 1 : 5 * n + 1])
-        tables = out32[5 * n + 1 :]
-        block_tables = [
-            gather_block_tables(state.block_tables[g], rows, out=tables[n * off : n * (off + w)].reshape(n, w))
-            for g, (off, w) in enumerate(zip(dev.offsets_np.tolist(), dev.widths_np.tolist(), strict=True))
-        ]
-        # out64 = positions | input_ids | slot mapping per group, each [T]
-        out64 = self._buffer64((2 + len(groups)) * t)
-        positions = out64[:t]
-        token_rows = flatten(rows, num_scheduled, cu_num_tokens, state.num_computed_tokens, out=positions)
+        # out64 = positions | input_ids | slot mapping per group, each [T] | token rows [num_tokens] (scratch)
+        out64 = self._buffer64((2 + len(groups)) * t + num_tokens)
+        positions, token_rows = out64[:t], out64[(2 + len(groups)) * t :]
         token_ids = dev.token_ids_np if dev.token_ids_np is not None else dev.token_ids.numpy()  # shared: the former
-        gather_input_ids(token_ids, token_rows, positions[:num_tokens], out64[t : 2 * t])
-        slot_mappings = []
-        for g, group in enumerate(groups):
+        input_ids = out64[t : 2 * t]
+        flatten(rows, num_scheduled, state.num_computed_tokens, token_ids, out32, positions, input_ids, token_rows)
+        tables = out32[5 * n + 1 :]
+        block_tables, slot_mappings = [], []
+        for g, (off, w) in enumerate(zip(dev.offsets_np.tolist(), dev.widths_np.tolist(), strict=True)):
+            out = tables[n * off : n * (off + w)].reshape(n, w)
+            block_tables.append(gather_block_tables(state.block_tables[g], rows, out))
             slots = out64[(2 + g) * t : (3 + g) * t]
-            slot_mapping(state.block_tables[g], token_rows, positions, group.block_size, out=slots)
+            slot_mapping(state.block_tables[g], token_rows, positions, groups[g].block_size, slots)
             slot_mappings.append(slots)
         # one torch.from_numpy per array: cheaper than slicing one tensor (torch indexing costs more than NumPy's)
         wrap = torch.from_numpy
@@ -277,7 +267,7 @@ class RequestStatePool:
             num_scheduled_tokens=wrap(out32[n : 2 * n]),
             query_start_loc=wrap(out32[2 * n : 3 * n + 1]),
             positions=wrap(positions),
-            input_ids=wrap(out64[t : 2 * t]),
+            input_ids=wrap(input_ids),
             seq_lens=wrap(out32[3 * n + 1 : 4 * n + 1]),
             logits_indices=wrap(out32[4 * n + 1 : 5 * n + 1]),
             block_tables=tuple(map(wrap, block_tables)),

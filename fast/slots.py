@@ -1,39 +1,40 @@
-"""Stage 5 on the host: slot mappings and gathered block tables, as spec/slots.py, in NumPy.
+"""Stage 5 on the host: slot mappings and gathered block tables, as spec/slots.py, compiled with Numba.
 
 slot = block_table[row, position // block_size] * block_size + position % block_size, in int64.
 On plain CPU tensors the tables are host memory shared with the pool's mirror (see fast/flatten.py
-for why NumPy); CUDA and the interpreter take fast.kernels.prepare instead.
+for why a compiled loop); CUDA and the interpreter take fast.kernels.prepare instead.
 """
 
 from __future__ import annotations
 
 import numpy as np
+from numba import njit
 
-from spec.types import PAD_SLOT_ID, SLOT_DTYPE
+from spec.types import PAD_SLOT_ID
 
 
-def slot_mapping(
-    block_table_np: np.ndarray,  # [R, max_blocks] int32, req_state_idx -> physical block ids
-    token_rows_np: np.ndarray,  # [num_tokens] int64, flat token index -> req_state_idx
-    positions_np: np.ndarray,  # [T] int64, flat token index -> position (T >= num_tokens)
+@njit(cache=True, nogil=True)
+def slot_mapping(  # pragma: no cover - compiled; tested through its results
+    block_table: np.ndarray,  # [R, max_blocks] int32, req_state_idx -> physical block ids
+    token_rows: np.ndarray,  # [num_tokens] int64, flat token index -> req_state_idx
+    positions: np.ndarray,  # [T] int64, flat token index -> position (T >= num_tokens)
     block_size: int,
-    out: np.ndarray | None = None,  # [T] int64 to write into
-) -> np.ndarray:  # [T] int64, PAD_SLOT_ID past num_tokens
-    num_tokens = token_rows_np.shape[0]
-    slots = np.empty(positions_np.shape[0], SLOT_DTYPE) if out is None else out
-    logical_block, offset = np.divmod(positions_np[:num_tokens], block_size)
-    physical_block = np.take(block_table_np.ravel(), token_rows_np * block_table_np.shape[1] + logical_block)
-    np.multiply(physical_block, block_size, out=slots[:num_tokens], dtype=SLOT_DTYPE)  # int64: may pass 2**31
-    slots[:num_tokens] += offset
-    slots[num_tokens:] = PAD_SLOT_ID
-    return slots
+    out: np.ndarray,  # [T] int64: the slots, PAD_SLOT_ID past num_tokens
+) -> None:
+    num_tokens = token_rows.shape[0]
+    for t in range(num_tokens):
+        position = positions[t]
+        block = np.int64(block_table[token_rows[t], position // block_size])  # int64: slots may pass 2**31
+        out[t] = block * block_size + position % block_size
+    for pad in range(num_tokens, out.shape[0]):
+        out[pad] = PAD_SLOT_ID
 
 
 def gather_block_tables(
-    block_table_np: np.ndarray,  # [R, max_blocks] int32
-    index_mapping_np: np.ndarray,  # [num_reqs] batch_idx -> req_state_idx
-    out: np.ndarray | None = None,  # [num_reqs, max_blocks] int32 to write into
+    block_table: np.ndarray,  # [R, max_blocks] int32
+    index_mapping: np.ndarray,  # [num_reqs] batch_idx -> req_state_idx
+    out: np.ndarray,  # [num_reqs, max_blocks] int32 to write into
 ) -> np.ndarray:  # [num_reqs, max_blocks] int32, batch_idx -> physical block ids
     # mode="clip" only so that NumPy writes into `out` directly (with the default mode it buffers the
     # whole result first, ~10x slower here); rows come from the pool's req_id -> row map, always in range
-    return block_table_np.take(index_mapping_np, axis=0, out=out, mode="clip")
+    return block_table.take(index_mapping, axis=0, out=out, mode="clip")

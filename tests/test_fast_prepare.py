@@ -1,4 +1,4 @@
-"""Kernels 2+3 (fast.kernels.prepare) and the CPU path (fast.flatten, fast.slots) against spec, exactly.
+"""Kernels 2+3 (fast.kernels.prepare) and the compiled CPU path (fast.flatten, fast.slots) against spec, exactly.
 
 Device state is random (the kernel does not care whether tables are valid), so every index path is hit:
 several groups with block sizes that are not powers of two, unsorted index_mapping, padding. The int64
@@ -14,7 +14,7 @@ import torch
 import fast
 import spec.flatten
 import spec.slots
-from fast.flatten import flatten, gather_input_ids
+from fast.flatten import flatten
 from fast.kernels.prepare import prepare_triton
 from fast.runtime import HAVE_TRITON, interpret
 from fast.slots import gather_block_tables, slot_mapping
@@ -96,18 +96,23 @@ def test_cpu_path_matches_spec(seed: int) -> None:
     index_mapping, num_scheduled = arrays["index_mapping"], arrays["num_scheduled"]
     want = _expected(dev, index_mapping, num_scheduled, padded)
     rows, counts = index_mapping.astype(np.int64), num_scheduled.astype(np.int64)
-    num_tokens = int(counts.sum())
-    positions = np.full(padded, -7, np.int64)  # stale contents: the padding must be overwritten with 0
-    token_rows = flatten(rows, counts, counts.cumsum(), dev.num_computed.numpy(), out=positions)
-    flat_positions = positions[:num_tokens]
-    input_ids = np.full(padded, -7, np.int64)  # stale contents: the padding must be overwritten with 0
-    gather_input_ids(dev.token_ids.numpy(), token_rows, flat_positions, input_ids)
+    n, num_tokens = rows.size, int(counts.sum())
+    out32 = np.full(5 * n + 1, -7, np.int32)  # stale contents everywhere: every entry must be written
+    positions, input_ids = np.full(padded, -7, np.int64), np.full(padded, -7, np.int64)
+    token_rows = np.full(num_tokens, -7, np.int64)
+    computed, tokens = dev.num_computed.numpy(), dev.token_ids.numpy()
+    assert flatten(rows, counts, computed, tokens, out32, positions, input_ids, token_rows) == num_tokens
     _assert_same("positions", torch.from_numpy(positions), want["positions"])
     _assert_same("input_ids", torch.from_numpy(input_ids), want["input_ids"])
+    for name, part in (("seq_lens", out32[3 * n + 1 : 4 * n + 1]), ("logits_indices", out32[4 * n + 1 :])):
+        _assert_same(name, torch.from_numpy(part), want[name])
+    np.testing.assert_array_equal(out32[2 * n : 3 * n + 1], np.concatenate([[0], counts.cumsum()]))
     for g, group in enumerate(dev.config.kv_groups):
         table = dev.table(g).numpy()
-        _assert_same(f"block_tables[{g}]", torch.from_numpy(gather_block_tables(table, rows)), want["block_tables"][g])
-        slots = slot_mapping(table, token_rows, positions, group.block_size)
+        tables = gather_block_tables(table, rows, np.full((n, table.shape[1]), -7, np.int32))
+        _assert_same(f"block_tables[{g}]", torch.from_numpy(tables), want["block_tables"][g])
+        slots = np.full(padded, -7, np.int64)
+        slot_mapping(table, token_rows, positions, group.block_size, slots)
         _assert_same(f"slot_mappings[{g}]", torch.from_numpy(slots), want["slot_mappings"][g])
 
 
