@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from numba import njit
 
 from fast.batch import batch_order
 from fast.flatten import flatten, ranges
@@ -316,25 +317,23 @@ class RequestStatePool:
             raise InconsistentSchedulerOutputError(
                 None, "sampled_token_ids", f"{sampled.shape[0]} rows of ids for {batch.num_reqs} batch rows"
             )
-        rows, seq_lens = self._prepared_rows_np, self._prepared_seq_lens_np
-        num_tokens = self.state.num_tokens
-        known = num_tokens[rows]  # [num_reqs]
-        takes = np.flatnonzero(seq_lens == known)  # [k] batch_idx of rows that reached the end
-        if takes.size == rows.size:  # every row samples (a decode step): no subsetting
-            taking_rows, tokens, lengths = rows, sampled, known
-        else:
-            taking_rows, tokens, lengths = rows[takes], sampled[takes], known[takes]
-        if takes.size:
-            vocab, max_len = self.config.vocab_size, self.config.max_model_len
-            if tokens.min() < 0 or tokens.max() >= vocab or lengths.max() >= max_len:
-                bad_id = (tokens < 0) | (tokens >= vocab)
-                first = int(np.flatnonzero(bad_id | (lengths >= max_len))[0])
-                req_id = batch.req_ids[int(takes[first])]
-                if bad_id[first]:
-                    raise TokenIdError(req_id, "sampled_token_ids", f"{int(tokens[first])} not in [0, {vocab})")
-                raise ModelLengthError(req_id, "sampled_token_ids", "no room past max_model_len")
-            self._store_tokens(taking_rows, lengths, tokens)
-            num_tokens[taking_rows] += 1
+        rows, seq_lens, num_tokens = self._prepared_rows_np, self._prepared_seq_lens_np, self.state.num_tokens
+        takes = np.empty(rows.size, np.int64)  # [k] batch_idx of the rows that reached their last token
+        vocab, max_len = self.config.vocab_size, self.config.max_model_len
+        bad, count, longest = _check_sampled(rows, seq_lens, num_tokens, sampled, vocab, max_len, takes)
+        if bad >= 0:  # spec's order: the first taking row with a fault, the id checked before the length
+            req_id, token = batch.req_ids[bad], int(sampled[bad])
+            if not 0 <= token < vocab:
+                raise TokenIdError(req_id, "sampled_token_ids", f"{token} not in [0, {vocab})")
+            raise ModelLengthError(req_id, "sampled_token_ids", "no room past max_model_len")
+        if count:
+            self.dev.reserve_tokens(longest + 1)
+            if self.dev.token_ids_np is not None:
+                _append_sampled(rows, takes[:count], num_tokens, sampled, self.dev.token_ids_np)
+            else:
+                taking_rows = rows[takes[:count]]
+                self._store_tokens(taking_rows, num_tokens[taking_rows], sampled[takes[:count]])
+                num_tokens[taking_rows] += 1
         self._prepared = None
 
     def _record_accepted(self, batch: BatchInputs, sampled: np.ndarray) -> None:
@@ -447,3 +446,41 @@ def _batch_drafts(num_drafts: np.ndarray, draft_ids: np.ndarray, order: np.ndarr
 
 def _counts(drafts: list[np.ndarray]) -> np.ndarray:
     return np.array([d.size for d in drafts], np.int64)
+
+
+@njit(cache=True, nogil=True)
+def _check_sampled(  # pragma: no cover - compiled; tested through record_sampled against spec
+    rows: np.ndarray,  # [n] int64 batch_idx -> req_state_idx
+    seq_lens: np.ndarray,  # [n] int64 as prepared
+    num_tokens: np.ndarray,  # [R] int64 known tokens per row
+    sampled: np.ndarray,  # [n] integer ids
+    vocab: int,
+    max_len: int,
+    takes: np.ndarray,  # [n] int64 out: batch_idx of each row that takes its sample
+) -> tuple[int, int, int]:
+    """(first faulty taking batch row or -1, rows that take their sample, the longest of them before)."""
+    count, longest = 0, 0
+    for b in range(rows.shape[0]):
+        known = num_tokens[rows[b]]
+        if seq_lens[b] != known:
+            continue  # still mid-prefill: its sample is discarded
+        if sampled[b] < 0 or sampled[b] >= vocab or known >= max_len:
+            return b, count, longest
+        takes[count] = b
+        count += 1
+        longest = max(longest, known)
+    return -1, count, longest
+
+
+@njit(cache=True, nogil=True)
+def _append_sampled(  # pragma: no cover - compiled; tested through record_sampled against spec
+    rows: np.ndarray,  # [n] int64 batch_idx -> req_state_idx
+    takes: np.ndarray,  # [k] int64 batch_idx of the rows taking their sample
+    num_tokens: np.ndarray,  # [R] int64, advanced here
+    sampled: np.ndarray,  # [n] validated ids
+    token_ids: np.ndarray,  # [R, capacity] int32 (room reserved)
+) -> None:
+    for b in takes:
+        row = rows[b]
+        token_ids[row, num_tokens[row]] = sampled[b]
+        num_tokens[row] += 1

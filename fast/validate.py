@@ -30,6 +30,7 @@ from itertools import chain, islice
 from typing import Any
 
 import numpy as np
+from numba import njit
 
 from fast.flatten import ranges
 from spec.state import PoolState
@@ -124,8 +125,7 @@ def plan_bulk_step(
     else:
         freed_rows = new_rows = _EMPTY
     counts = num_scheduled[cached_at]  # [n]
-    decode = int(counts.sum()) == n
-    last = num_computed if decode else num_computed + counts - 1  # [n] last position written
+    last = num_computed + counts - 1  # [n] last position written
     if n and (last >= state.num_tokens[rows]).any():  # also max_model_len, see the module docstring
         return None
     appends = _appended_ids(new_blocks, n, len(config.kv_groups))
@@ -139,7 +139,7 @@ def plan_bulk_step(
     tables, computed_rows, computed_values = [], rows, num_computed
     for g in range(len(config.kv_groups)):
         tails = null_tails[g] if null_tails is not None else None
-        checked = _check_group(state, g, rows, num_computed, last, appends[g], tails, decode)
+        checked = _check_group(state, g, rows, num_computed, last, appends[g], tails)
         if checked is None:
             return None
         appended, written = checked
@@ -359,90 +359,82 @@ def _check_group(
     last: np.ndarray,  # [n] last position each writes
     appended: tuple[np.ndarray, np.ndarray, np.ndarray],  # request index [a], lengths [a], ids
     null_tails: np.ndarray | None,  # [R] last null entry of every row, or None
-    decode: bool,  # every request schedules one token (so it writes within one block)
 ) -> tuple[GroupWrites, np.ndarray] | None:
     """Checks 9-12 for group g's cached requests: their appends, and the physical blocks their tokens write."""
     group = state.config.kv_groups[g]
-    table = state.block_tables[g]
-    block_size, width = group.block_size, table.shape[1]
-    counts = state.num_blocks[g][rows]  # [n] filled entries before the step
     app_req, lengths, ids = appended
-    first, last_block = num_computed // block_size, last // block_size  # [n]
-    if ids.size:
-        # out of range, a null placeholder (plan_step decides), or past int32 (spec's int32 tables decide)
-        if ids.min() <= NULL_BLOCK_ID or ids.max() >= min(group.num_blocks, 2**31):
-            return None
-        app_counts = counts[app_req]
-        app_after = app_counts + lengths
-        if app_after.max() > width:
-            return None
-        after = counts.copy()
-        after[app_req] = app_after
-        if (last_block >= after).any():
-            return None  # a missing block
-        app_rows = rows[app_req]
-        if not _fresh(table, app_rows, app_counts, lengths, ids, group.num_blocks):
-            return None
-    else:
-        if rows.size and (last_block >= counts).any():
-            return None  # a missing block
-        app_rows = app_counts = _EMPTY
-    if group.sliding_window is not None and not _no_null_reads(
-        table, rows, counts, num_computed, last, group.sliding_window, block_size, null_tails
-    ):
+    app_counts = np.empty(app_req.size, np.int64)  # [a] filled entries of each appending row before the step
+    written = np.empty(int((last // group.block_size - num_computed // group.block_size).sum()) + rows.size, np.int64)
+    ok = _check_cached_group(
+        state.block_tables[g], state.num_blocks[g], rows, num_computed, last, app_req, lengths, ids,
+        min(group.num_blocks, 2**31), group.block_size, group.sliding_window or 0,
+        _NO_TAILS if null_tails is None else null_tails, app_counts, written,
+    )  # fmt: skip
+    if not ok:
         return None
-
-    which, within = (None, None) if decode else ranges(last_block - first + 1)
-    logical = first if which is None else first[which] + within  # [w] blocks written
-    owner = np.arange(rows.size) if which is None else which  # [w] cached request writing each
-    written = table.ravel()[rows[owner] * width + logical]  # [w] int32; appended entries read NULL here
-    if ids.size:
-        start_of = np.zeros(rows.size, np.int64)  # where each appending request's ids begin in `ids`
-        start_of[app_req] = lengths.cumsum() - lengths
-        beyond = np.flatnonzero(logical >= counts[owner])
-        written[beyond] = ids[start_of[owner[beyond]] + logical[beyond] - counts[owner[beyond]]]
-    writes = GroupWrites(app_rows, app_counts, lengths, ids, np.zeros(app_rows.size, bool))
-    return writes, written
+    return GroupWrites(rows[app_req], app_counts, lengths, ids, np.zeros(app_req.size, bool)), written
 
 
-def _fresh(
-    table: np.ndarray,  # [R, width] the group's committed table
-    app_rows: np.ndarray,  # [a] req_state_idx
-    counts: np.ndarray,  # [a] filled entries before the step
-    lengths: np.ndarray,  # [a]
-    ids: np.ndarray,  # [sum(lengths)] appended ids (all >= 1)
-    num_blocks: int,
-) -> bool:
-    """Appended ids are new to their table: not among its filled entries, and not repeated within one request."""
-    filled = int(counts.max())  # entries past a row's count are NULL and ids are >= 1: compare up to the fullest
-    if ids.size == app_rows.size:  # one id per request (a decode crossing a block boundary): no repeats within
-        return not (table[app_rows, :filled] == ids[:, None]).any()
-    id_req = np.repeat(np.arange(app_rows.size), lengths)  # [sum(lengths)] appending request of each id
-    existing = table[app_rows, :filled].astype(np.int64)  # [a, filled]
-    keys_existing = (np.arange(app_rows.size)[:, None] * num_blocks + existing)[existing != NULL_BLOCK_ID]
-    return not _has_repeats(np.concatenate([keys_existing, id_req * num_blocks + ids]))
+_NO_TAILS = np.zeros(0, np.int64)
 
 
-def _no_null_reads(
-    table: np.ndarray,  # [R, width]
-    rows: np.ndarray,  # [n]
-    counts: np.ndarray,  # [n] filled entries before the step
-    num_computed: np.ndarray,  # [n]
-    last: np.ndarray,  # [n]
-    window: int,
+@njit(cache=True, nogil=True)
+def _check_cached_group(  # pragma: no cover - compiled; tested through plan_bulk_step against plan_step
+    table: np.ndarray,  # [R, width] int32, the group's committed table
+    num_blocks: np.ndarray,  # [R] int64 filled entries per row
+    rows: np.ndarray,  # [n] int64 req_state_idx
+    num_computed: np.ndarray,  # [n] int64
+    last: np.ndarray,  # [n] int64 last position each request writes
+    app_req: np.ndarray,  # [a] int64 request index of each appending request
+    lengths: np.ndarray,  # [a] int64 ids each appends (>= 1)
+    ids: np.ndarray,  # [sum(lengths)] int64 appended ids, request after request
+    id_limit: int,  # appended ids must be < this (num_blocks, and int32 for the tables)
     block_size: int,
-    null_tails: np.ndarray | None,  # [R] last null entry per row, or None
+    window: int,  # sliding window, 0 for none
+    null_tails: np.ndarray,  # [R] last null entry per row, or empty: scan the window
+    app_counts: np.ndarray,  # [a] int64 out: each appending row's filled entries before the step
+    written: np.ndarray,  # [w] int64 out: the physical block of every (request, block) the step writes
 ) -> bool:
-    """No committed entry read this step is null (appended ids are >= 1): check 12 for a windowed group."""
-    lo = np.maximum(0, num_computed - window + 1) // block_size  # [n] first entry read
-    if null_tails is not None:
-        suspects = np.flatnonzero(null_tails[rows] >= lo)  # the others hold no null from lo on
-        if not suspects.size:
-            return True
-        rows, counts, lo, last = rows[suspects], counts[suspects], lo[suspects], last[suspects]
-    hi = np.minimum(last // block_size, counts - 1)  # inclusive
-    which, within = ranges(np.maximum(hi - lo + 1, 0))
-    return not (table[rows[which], lo[which] + within] == NULL_BLOCK_ID).any()
+    """Checks 9-12 for one group's cached requests, one pass; False at the first failure (plan_step names it)."""
+    n, width = rows.shape[0], table.shape[1]
+    start_of = np.full(n, -1, np.int64)  # where request i's appended ids begin in `ids` (-1: it appends none)
+    added = np.zeros(n, np.int64)
+    at = 0
+    for k in range(app_req.shape[0]):
+        start_of[app_req[k]] = at
+        added[app_req[k]] = lengths[k]
+        app_counts[k] = num_blocks[rows[app_req[k]]]
+        at += lengths[k]
+    w = 0
+    for i in range(n):
+        row = rows[i]
+        count = num_blocks[row]
+        first, last_block = num_computed[i] // block_size, last[i] // block_size
+        if count + added[i] > width or last_block >= count + added[i]:
+            return False  # too many blocks for the table, or a missing block
+        for j in range(added[i]):  # appended ids: in range, new to the row, not repeated
+            block = ids[start_of[i] + j]
+            if block <= 0 or block >= id_limit:
+                return False  # out of range, or a null placeholder (plan_step decides those)
+            for e in range(count):
+                if table[row, e] == block:
+                    return False
+            for e in range(j):
+                if ids[start_of[i] + e] == block:
+                    return False
+        if window > 0:  # no committed entry read this step is null (appended ids are >= 1)
+            lo = max(0, num_computed[i] - window + 1) // block_size
+            if null_tails.shape[0] == 0 or null_tails[row] >= lo:
+                for e in range(lo, min(last_block, count - 1) + 1):
+                    if table[row, e] == 0:
+                        return False
+        for block_index in range(first, last_block + 1):
+            if block_index < count:
+                written[w] = table[row, block_index]
+            else:
+                written[w] = ids[start_of[i] + block_index - count]
+            w += 1
+    return True
 
 
 def last_null_entries(state: PoolState, g: int, rows: np.ndarray) -> np.ndarray:
@@ -468,9 +460,13 @@ def _merge(new_rows: np.ndarray, new: GroupWrites, cached: GroupWrites) -> Group
     )
 
 
-def _has_repeats(values: np.ndarray) -> bool:
+@njit(cache=True, nogil=True)
+def _has_repeats(values: np.ndarray) -> bool:  # pragma: no cover - compiled
     ordered = np.sort(values)
-    return bool((ordered[1:] == ordered[:-1]).any())
+    for i in range(1, ordered.shape[0]):  # noqa: SIM110 - a loop Numba compiles (no generators)
+        if ordered[i] == ordered[i - 1]:
+            return True
+    return False
 
 
 def from_spec_plan(state: PoolState, sched: SchedulerOutput, plan: SpecStepPlan) -> StepPlan:
