@@ -32,7 +32,6 @@ from typing import Any
 import numpy as np
 from numba import njit
 
-from fast.flatten import ranges
 from spec.state import PoolState
 from spec.state import StepPlan as SpecStepPlan
 from spec.types import NULL_BLOCK_ID, CachedRequest, CachedRequestColumns, NewRequest, SchedulerOutput
@@ -256,30 +255,52 @@ def _check_new_requests(
         if joined is None:
             return None
         lengths, ids = joined
-        if not ids.size or ids.min() < 0 or ids.max() >= group.num_blocks:
+        out = np.empty(int((last // group.block_size - num_computed // group.block_size).sum()) + k, np.int64)
+        ok = _check_new_tables(
+            lengths, ids, num_computed, last, group.num_blocks, config.max_blocks_per_req(g), group.block_size,
+            group.sliding_window or 0, out,
+        )  # fmt: skip
+        if not ok:
             return None
-        if lengths.max() > config.max_blocks_per_req(g):
-            return None
-        block_size = group.block_size
-        first, last_block = num_computed // block_size, last // block_size  # [k] blocks the step writes
-        if (last_block >= lengths).any():
-            return None  # a missing block
-        start = lengths.cumsum() - lengths  # [k] where each table begins in `ids`
-        real = ids != NULL_BLOCK_ID
-        if not real.all():
-            if group.sliding_window is None:
-                return None
-            read_from = np.maximum(0, num_computed - group.sliding_window + 1) // block_size  # [k] first entry read
-            which, entry = ranges(last_block - read_from + 1)
-            if (ids[start[which] + read_from[which] + entry] == NULL_BLOCK_ID).any():
-                return None
-        id_req = np.repeat(np.arange(k), lengths)  # [sum(lengths)]
-        if _has_repeats((id_req * group.num_blocks + ids)[real]):
-            return None
-        which, block = ranges(last_block - first + 1)
-        written.append(ids[start[which] + first[which] + block])
+        written.append(out)
         writes.append(GroupWrites(_EMPTY, np.zeros(k, np.int64), lengths, ids, np.ones(k, bool)))
     return num_computed, prompt_lens, tokens, writes, written
+
+
+@njit(cache=True, nogil=True)
+def _check_new_tables(  # pragma: no cover - compiled; tested through plan_bulk_step against plan_step
+    lengths: np.ndarray,  # [k] int64 entries of each new request's table
+    ids: np.ndarray,  # [sum(lengths)] int64 the tables, request after request
+    num_computed: np.ndarray,  # [k] int64
+    last: np.ndarray,  # [k] int64 last position each writes
+    num_blocks: int,
+    max_blocks: int,  # max_blocks_per_req of the group
+    block_size: int,
+    window: int,  # sliding window, 0 for none
+    written: np.ndarray,  # [w] int64 out: the physical block of every (request, block) the step writes
+) -> bool:
+    """Checks 9-12 for one group's new tables, one pass; False at the first failure (plan_step names it)."""
+    start, w = 0, 0
+    for i in range(lengths.shape[0]):
+        table = ids[start : start + lengths[i]]
+        start += lengths[i]
+        if table.shape[0] > max_blocks or last[i] // block_size >= table.shape[0]:
+            return False  # too many blocks, or a missing one
+        for block in table:
+            if block < 0 or block >= num_blocks or (block == 0 and window == 0):
+                return False  # out of range, or the null block outside a sliding-window group
+        read_from = 0 if window == 0 else max(0, num_computed[i] - window + 1) // block_size
+        for e in range(read_from, last[i] // block_size + 1):
+            if table[e] == 0:
+                return False  # a token would read or write through the null block
+        ordered = np.sort(table)
+        for e in range(1, ordered.shape[0]):
+            if ordered[e] == ordered[e - 1] and ordered[e] != 0:
+                return False  # a block twice in one table
+        for e in range(num_computed[i] // block_size, last[i] // block_size + 1):
+            written[w] = table[e]
+            w += 1
+    return True
 
 
 def _ids(values: Any, typecode: str) -> np.ndarray | None:
