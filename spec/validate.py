@@ -28,6 +28,7 @@ or 1-D integer arrays; `new_requests` and `cached_requests` are tuples or lists 
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -80,6 +81,9 @@ class _Scheduled:
 def plan_step(state: PoolState, sched: SchedulerOutput) -> StepPlan:
     config = state.config
     num_groups = len(config.kv_groups)
+    if isinstance(sched.cached_requests, CachedRequestColumns):
+        _check_containers(sched)  # the columns agree in length, so they read as one request each
+        sched = dataclasses.replace(sched, cached_requests=tuple(sched.cached_requests))  # read them once
     _check_consistency(sched, num_groups)
 
     for req_id in sorted(sched.finished_req_ids):
