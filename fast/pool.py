@@ -44,7 +44,7 @@ from fast.flatten import flatten, ranges
 from fast.kernels.prepare import prepare_triton
 from fast.runtime import interpret, interpret_enabled, use_triton
 from fast.slots import gather_block_tables, slot_mapping
-from fast.state import DeviceState
+from fast.state import DeviceState, write_prompts, write_tables
 from fast.validate import StepPlan, from_spec_plan, last_null_entries, plan_bulk_step
 from fast.writes import apply_writes, step_writes, upload
 from spec.drafts import DraftLogits, accepted_rows, check_accepted, draft_logits
@@ -121,30 +121,13 @@ class RequestStatePool:
         if new_rows:
             state.num_tokens[plan.new_rows] = plan.prompt_lens
         for g, w in enumerate(plan.tables):
-            if not w.rows.size:
-                continue
-            table = state.block_tables[g]
-            appended = ~w.replaced
-            if w.replaced.any():  # new or resumed requests: few rows, whole tables
-                ends = w.lengths.cumsum().tolist()
-                for i in np.flatnonzero(w.replaced).tolist():
-                    start, end, row = ends[i] - int(w.lengths[i]), ends[i], w.rows[i]
-                    table[row] = NULL_BLOCK_ID
-                    table[row, : end - start] = w.ids[start:end]
-            if w.ids.size == w.rows.size and appended.all():  # one id per row (decodes crossing a block boundary)
-                table[w.rows, w.starts] = w.ids
-            elif appended.any():
-                which, within = ranges(w.lengths)
-                keep = appended[which]
-                table[w.rows[which[keep]], w.starts[which[keep]] + within[keep]] = w.ids[keep]
-            state.num_blocks[g, w.rows] = w.starts + w.lengths
+            if w.rows.size:
+                write_tables(state.block_tables[g], state.num_blocks[g], w.rows, w.starts, w.lengths, w.ids, w.replaced)
         state.num_computed_tokens[plan.computed_rows] = plan.computed_values
         if any(t is not None for t in self._null_tails):
             self._refresh_null_tails(plan, all_rows_changed)
         if dev.token_ids_np is not None and new_rows:
-            ends = plan.prompt_lens.cumsum().tolist()
-            for row, start, end in zip(new_rows, [0, *ends[:-1]], ends, strict=True):  # a memcpy per prompt
-                dev.token_ids_np[row, : end - start] = plan.prompt_tokens[start:end]
+            write_prompts(dev.token_ids_np, plan.new_rows, plan.prompt_lens, plan.prompt_tokens)
         if writes is not None:
             with interpret(self._interpret):
                 apply_writes(dev, writes)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from numba import njit
 
 from spec.state import PoolState
 from spec.types import NULL_BLOCK_ID, WorkerConfig
@@ -100,3 +101,38 @@ class DeviceState:
     def table(self, group: int) -> torch.Tensor:
         """Group g's persistent block table, [R, max_blocks_per_req(g)] int32, sharing `tables`' memory."""
         return self._table_views[group]
+
+
+@njit(cache=True, nogil=True)
+def write_tables(  # pragma: no cover - compiled; tested through the pool against spec
+    table: np.ndarray,  # [R, width] int32, one group's table (the host mirror's)
+    num_blocks: np.ndarray,  # [R] int64 filled entries per row
+    rows: np.ndarray,  # [k] int64 req_state_idx
+    starts: np.ndarray,  # [k] int64 first entry written
+    lengths: np.ndarray,  # [k] int64 ids written
+    ids: np.ndarray,  # [sum(lengths)] int64, row after row
+    replaced: np.ndarray,  # [k] bool: the row's table is replaced (entries past the new ones cleared)
+) -> None:
+    """One group's table changes of a validated step: appends after each row's filled entries, or whole tables."""
+    at = 0
+    for i in range(rows.shape[0]):
+        row = rows[i]
+        if replaced[i]:
+            table[row, :] = NULL_BLOCK_ID
+        for j in range(lengths[i]):
+            table[row, starts[i] + j] = ids[at + j]
+        at += lengths[i]
+        num_blocks[row] = starts[i] + lengths[i]
+
+
+@njit(cache=True, nogil=True)
+def write_prompts(  # pragma: no cover - compiled; tested through the pool against spec
+    token_ids: np.ndarray,  # [R, capacity] int32 (room reserved)
+    rows: np.ndarray,  # [k] int64 req_state_idx of the new requests
+    lengths: np.ndarray,  # [k] int64 prompt lengths
+    tokens: np.ndarray,  # [sum(lengths)] int32 the prompts end to end
+) -> None:
+    at = 0
+    for i in range(rows.shape[0]):
+        token_ids[rows[i], : lengths[i]] = tokens[at : at + lengths[i]]
+        at += lengths[i]
