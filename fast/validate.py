@@ -114,7 +114,7 @@ def plan_bulk_step(
         num_computed = np.array(computed_in, np.int64) if n else _EMPTY  # [n]
     except (KeyError, TypeError, ValueError, OverflowError):
         return None
-    if num_computed.ndim != 1 or (n and num_computed.min() < 0):
+    if num_computed.ndim != 1:
         return None
     if finished or num_new:
         freed_new = _rows_of_new(state, finished, new_ids, keys)
@@ -123,9 +123,8 @@ def plan_bulk_step(
         freed_rows, new_rows = freed_new
     else:
         freed_rows = new_rows = _EMPTY
-    counts = num_scheduled[cached_at]  # [n]
-    last = num_computed + counts - 1  # [n] last position written
-    if n and (last >= state.num_tokens[rows]).any():  # also max_model_len, see the module docstring
+    last = np.empty(n, np.int64)  # [n] last position each cached request writes
+    if not _check_progress(rows, num_computed, num_scheduled[cached_at], state.num_tokens, last):
         return None
     appends = _appended_ids(new_blocks, n, len(config.kv_groups))
     if appends is None:
@@ -255,7 +254,7 @@ def _check_new_requests(
         if joined is None:
             return None
         lengths, ids = joined
-        out = np.empty(int((last // group.block_size - num_computed // group.block_size).sum()) + k, np.int64)
+        out = np.empty(_blocks_written(num_computed, last, group.block_size), np.int64)
         ok = _check_new_tables(
             lengths, ids, num_computed, last, group.num_blocks, config.max_blocks_per_req(g), group.block_size,
             group.sliding_window or 0, out,
@@ -385,7 +384,7 @@ def _check_group(
     group = state.config.kv_groups[g]
     app_req, lengths, ids = appended
     app_counts = np.empty(app_req.size, np.int64)  # [a] filled entries of each appending row before the step
-    written = np.empty(int((last // group.block_size - num_computed // group.block_size).sum()) + rows.size, np.int64)
+    written = np.empty(_blocks_written(num_computed, last, group.block_size), np.int64)
     ok = _check_cached_group(
         state.block_tables[g], state.num_blocks[g], rows, num_computed, last, app_req, lengths, ids,
         min(group.num_blocks, 2**31), group.block_size, group.sliding_window or 0,
@@ -397,6 +396,31 @@ def _check_group(
 
 
 _NO_TAILS = np.zeros(0, np.int64)
+
+
+@njit(cache=True, nogil=True)
+def _check_progress(  # pragma: no cover - compiled; tested through plan_bulk_step against plan_step
+    rows: np.ndarray,  # [n] int64 req_state_idx
+    num_computed: np.ndarray,  # [n] int64 as the scheduler says
+    num_scheduled: np.ndarray,  # [n] int64
+    num_tokens: np.ndarray,  # [R] int64 known tokens per row
+    last: np.ndarray,  # [n] int64 out: last position each writes
+) -> bool:
+    """num_computed >= 0 and every position written is a known token (which also bounds it by max_model_len)."""
+    for i in range(rows.shape[0]):
+        last[i] = num_computed[i] + num_scheduled[i] - 1
+        if num_computed[i] < 0 or last[i] >= num_tokens[rows[i]]:
+            return False
+    return True
+
+
+@njit(cache=True, nogil=True)
+def _blocks_written(num_computed: np.ndarray, last: np.ndarray, block_size: int) -> int:  # pragma: no cover
+    """(request, block) pairs a step's tokens write: each request writes blocks first .. last // block_size."""
+    total = 0
+    for i in range(last.shape[0]):
+        total += last[i] // block_size - num_computed[i] // block_size + 1
+    return total
 
 
 @njit(cache=True, nogil=True)
