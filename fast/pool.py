@@ -88,6 +88,8 @@ class RequestStatePool:
         # plain CPU: the buffers the batches' tensors view, reused step after step (grown when a step needs more)
         self._out32 = np.zeros(0, np.int32)
         self._out64 = np.zeros(0, np.int64)
+        self._views: dict[str, Any] = {}  # the batch's tensors over those buffers, for the shape in _views_key
+        self._views_key: tuple[int, ...] = ()
 
     # ---- apply -------------------------------------------------------------------------------------
     def apply(self, sched: SchedulerOutput) -> None:
@@ -243,22 +245,24 @@ class RequestStatePool:
             slots = out64[(2 + g) * t : (3 + g) * t]
             slot_mapping(state.block_tables[g], token_rows, positions, groups[g].block_size, slots)
             slot_mappings.append(slots)
-        # one torch.from_numpy per array: cheaper than slicing one tensor (torch indexing costs more than NumPy's)
-        wrap = torch.from_numpy
-        return BatchInputs(
-            req_ids=req_ids,
-            index_mapping=wrap(out32[:n]),
-            num_scheduled_tokens=wrap(out32[n : 2 * n]),
-            query_start_loc=wrap(out32[2 * n : 3 * n + 1]),
-            positions=wrap(positions),
-            input_ids=wrap(input_ids),
-            seq_lens=wrap(out32[3 * n + 1 : 4 * n + 1]),
-            logits_indices=wrap(out32[4 * n + 1 : 5 * n + 1]),
-            block_tables=tuple(map(wrap, block_tables)),
-            slot_mappings=tuple(map(wrap, slot_mappings)),
-            num_tokens=num_tokens,
-            num_tokens_padded=padded,
-        )
+        # The tensors view the reused buffers, so a step of the same shape as the last (every decode step of a
+        # steady batch) hands out the same tensor objects, now holding this step's values: no re-wrapping.
+        key = (n, t, num_tokens, self._out32.ctypes.data, self._out64.ctypes.data)
+        if key != self._views_key:
+            wrap = torch.from_numpy
+            self._views = {
+                "index_mapping": wrap(out32[:n]),
+                "num_scheduled_tokens": wrap(out32[n : 2 * n]),
+                "query_start_loc": wrap(out32[2 * n : 3 * n + 1]),
+                "positions": wrap(positions),
+                "input_ids": wrap(input_ids),
+                "seq_lens": wrap(out32[3 * n + 1 : 4 * n + 1]),
+                "logits_indices": wrap(out32[4 * n + 1 : 5 * n + 1]),
+                "block_tables": tuple(map(wrap, block_tables)),
+                "slot_mappings": tuple(map(wrap, slot_mappings)),
+            }
+            self._views_key = key
+        return BatchInputs(req_ids=req_ids, num_tokens=num_tokens, num_tokens_padded=padded, **self._views)
 
     def _sampler_tensors(self, sampler: DraftLogits) -> dict[str, Any]:
         """The sampler's indices as BatchInputs fields: the int32 ones in one host->device copy, the ids in another."""
