@@ -370,9 +370,11 @@ def _array_difference(name: str, want: np.ndarray, got: Any) -> str:
         return f"{name}: dtype {got.dtype}, expected {want.dtype}"
     if got.shape != want.shape:
         return f"{name}: shape {got.shape}, expected {want.shape}"
-    if not np.array_equal(got, want):
-        where = np.argwhere(got != want)[:5].tolist()
-        return f"{name}: differs at {where}: got {got.tolist()}, expected {want.tolist()}"
+    if not np.array_equal(got, want):  # only the differing entries: a padded array can be thousands long
+        where = np.argwhere(got != want)
+        shown = ", ".join(f"{tuple(i)}: got {got[tuple(i)]}, expected {want[tuple(i)]}" for i in where[:8].tolist())
+        more = f" (and {len(where) - 8} more)" if len(where) > 8 else ""
+        return f"{name}: {len(where)} of {want.size} entries differ: {shown}{more}"
     return ""
 
 
