@@ -35,7 +35,8 @@ def _workload(name: str) -> Workload:
     raise ValueError(f"no workload named {name!r}")
 
 
-def _count_launches(fn: Callable[[], Any]) -> Counter[str]:
+def count_launches(fn: Callable[[], Any]) -> Counter[str]:
+    """Triton launches `fn` makes, per kernel (all of fast's kernels launch through fast.runtime.Kernel)."""
     from fast.runtime import Kernel
 
     counts: Counter[str] = Counter()
@@ -89,7 +90,7 @@ def probe_step(name: str) -> dict[str, int]:
         pool.record_sampled(batches[0], provider.asarray(stream.sampled(batches[0].num_reqs)))
         return on_apply, on_prepare
 
-    apply_launches, prepare_launches = counted(_count_launches)
+    apply_launches, prepare_launches = counted(count_launches)
     apply_syncs, prepare_syncs = counted(_count_syncs)
     apply_kernels, prepare_kernels = counted(_count_cuda_kernels)
     return {

@@ -14,6 +14,7 @@ import pytest
 
 import spec
 from benchmarks import providers
+from benchmarks.gpu_probe import count_launches
 from benchmarks.harness import param, record, run_stateful
 from benchmarks.reference import reference, started
 from benchmarks.workloads import HOST_WORKLOADS, StepStream, Workload
@@ -76,28 +77,8 @@ def test_prepare(benchmark: Any, workload: Workload, provider_name: str) -> None
 
     record(benchmark, "prepare", workload, provider_name, nbytes=_batch_bytes(reference(workload)[2]))
     if provider.name.startswith("fast"):
-        benchmark.extra_info["launches"] = _count_launches(lambda: pool.prepare(sched))
+        benchmark.extra_info["launches"] = sum(count_launches(lambda: pool.prepare(sched)).values())
     benchmark(target)
-
-
-def _count_launches(fn: Any) -> int:
-    """Triton launches made by `fn` (0 on the CPU torch path): fast's kernels all launch through Kernel.__getitem__."""
-    from fast.runtime import Kernel
-
-    count = 0
-    launch = Kernel.__getitem__
-
-    def counting(self: Kernel, grid: Any) -> Any:
-        nonlocal count
-        count += 1
-        return launch(self, grid)
-
-    Kernel.__getitem__ = counting  # type: ignore[method-assign]
-    try:
-        fn()
-    finally:
-        Kernel.__getitem__ = launch  # type: ignore[method-assign]
-    return count
 
 
 @pytest.mark.parametrize(("workload", "provider_name"), _cases(providers.SLOT_PROVIDERS))

@@ -102,6 +102,12 @@ def _paged_attention_torch(
     table = block_table.numpy()  # [num_reqs, max_blocks]
     k_firsts = [_first_key(seq_len, starts[b + 1] - starts[b], sliding_window) for b, seq_len in enumerate(lens)]
     finite_scale = math.isfinite(scale)
+    # token indices whose query is not finite, found once for the batch (SDPA would turn their rows into zeros)
+    not_finite = torch.nonzero(~torch.isfinite(query[: starts[-1]]).flatten(1).all(dim=1)).flatten().tolist()
+    # per request, the runs of consecutive block ids among the blocks it reads: breaks counted once for all rows
+    breaks = np.zeros((table.shape[0], table.shape[1]), np.int64)  # [num_reqs, max_blocks] breaks before column
+    if table.shape[1] > 1:
+        np.cumsum(table[:, 1:].astype(np.int64) != table[:, :-1].astype(np.int64) + 1, axis=1, out=breaks[:, 1:])
     flat_k, flat_v = _flat_slots(key_cache), _flat_slots(value_cache)  # [num_slots, kvh, D] views, or None
     key_buffer = value_buffer = None  # gather buffers, made on first use and sized for the widest request
     max_span = max((-(-s // block_size) - k // block_size for s, k in zip(lens, k_firsts, strict=True)), default=0)
@@ -113,15 +119,16 @@ def _paged_attention_torch(
         first_q_pos, k_first = seq_len - num_q, k_firsts[b]
         first_block, end_block = k_first // block_size, -(-seq_len // block_size)
         q_rows = query[q_start:q_end].float()  # [num_q, num_heads, D]
-        explicit = softcap is not None or not finite_scale or not bool(torch.isfinite(q_rows).all())
-        if num_q == 1 and flat_k is not None and flat_v is not None:
+        explicit = softcap is not None or not finite_scale or any(q_start <= t < q_end for t in not_finite)
+        num_runs = 1 + int(breaks[b, end_block - 1] - breaks[b, first_block]) if end_block > first_block else 0
+        long_runs = num_runs * MIN_RUN_BLOCKS <= end_block - first_block or num_runs == 1
+        if num_q == 1 and long_runs and flat_k is not None and flat_v is not None:
             runs = _runs(table[b, first_block:end_block])
-            if len(runs) * MIN_RUN_BLOCKS <= end_block - first_block or len(runs) == 1:
-                q = q_rows.view(num_kv_heads, group, head_dim)
-                o = _decode_in_place(q, flat_k, flat_v, runs, first_block, k_first, seq_len, block_size,
-                                     scale=scale, softcap=softcap)  # fmt: skip
-                out[q_start] = o.view(num_heads, head_dim).to(out.dtype)
-                continue
+            q = q_rows.view(num_kv_heads, group, head_dim)
+            o = _decode_in_place(q, flat_k, flat_v, runs, first_block, k_first, seq_len, block_size,
+                                 scale=scale, softcap=softcap)  # fmt: skip
+            out[q_start] = o.view(num_heads, head_dim).to(out.dtype)
+            continue
         if key_buffer is None or value_buffer is None:
             # one buffer per cache for the whole call: fresh memory per request made decode 1.7x slower (its
             # pages are faulted in, and cold in cache, on every request)
