@@ -146,9 +146,11 @@ def test_dense_sdpa_matches_spec_attention() -> None:
 def _fake_results(path: Path) -> None:
     """A pytest-benchmark JSON with hand-picked medians, in the shape the suites write."""
 
-    def bench(stage: str, workload: str, num_reqs: int, provider: str, median: float) -> dict[str, Any]:
+    def bench(
+        stage: str, workload: str, num_reqs: int, provider: str, median: float, **extra: Any
+    ) -> dict[str, Any]:
         info = {"stage": stage, "workload": workload, "kind": "decode", "provider": provider, "num_reqs": num_reqs,
-                "num_tokens": num_reqs, "num_groups": 1, "bytes": 1000, "flops": 0}  # fmt: skip
+                "num_tokens": num_reqs, "num_groups": 1, "bytes": 1000, "flops": 0, **extra}  # fmt: skip
         return {"group": f"{stage}/{workload}", "name": f"test_{stage}[{workload}-{provider}]",
                 "extra_info": info, "stats": {"median": median, "rounds": 5}}  # fmt: skip
 
@@ -158,6 +160,9 @@ def _fake_results(path: Path) -> None:
         bench("host_step", "decode-8", 8, "python-lists", 8e-3),
         bench("host_step", "decode-64", 64, "spec", 6e-3),
         bench("host_step", "decode-64", 64, "numpy-vectorised", 2e-3),
+        # fast's rounds interleaved with the peer's: the peer's median rides in extra_info
+        bench("host_step_interleaved", "decode-8", 8, "fast", 3e-3, reference_median=2e-3),
+        bench("host_step_interleaved", "decode-64", 64, "fast", 1e-3, reference_median=2e-3),
     ]
     machine = {"node": "testbox", "processor": "x86_64", "cpu": {"brand_raw": "Test CPU"}, "python_version": "3.11"}
     path.write_text(json.dumps({"machine_info": machine, "datetime": "2026-01-01T00:00:00", "benchmarks": benchmarks}))
@@ -200,7 +205,7 @@ def test_a_stage_the_renderer_does_not_know_is_rendered_as_recorded(tmp_path: Pa
 
 def test_targets_expand_per_workload_and_compare_with_their_goal(tmp_path: Path) -> None:
     from slotmap.bench.results import load
-    from slotmap.bench.targets import EachWorkload, Ratio, target_rows
+    from slotmap.bench.targets import EachWorkload, Interleaved, Ratio, target_rows
 
     results = tmp_path / "testbox.json"
     _fake_results(results)
@@ -209,6 +214,9 @@ def test_targets_expand_per_workload_and_compare_with_their_goal(tmp_path: Path)
         Ratio("spec at 64 / spec at 8", "host_step", ("decode-64", "spec"), ("decode-8", "spec"), 1.4),
         EachWorkload("{workload}: spec / numpy-vectorised", "host_step", "spec", "numpy-vectorised", 3.5),
         Ratio("absent", "host_step", ("decode-1024", "spec"), ("decode-8", "spec"), 1.0),
+        Interleaved("{workload}: fast / peer, interleaved", "host_step_interleaved", "fast", None, 1.0),
+        Interleaved("at 64 only", "host_step_interleaved", "fast", "decode-64", 0.7),
+        Interleaved("not run", "host_step_interleaved", "fast", "decode-1024", 0.7),
     )
     got = [(r.what, None if r.measured is None else round(r.measured, 6), r.met) for r in target_rows(rows, targets)]
     assert got == [
@@ -216,6 +224,10 @@ def test_targets_expand_per_workload_and_compare_with_their_goal(tmp_path: Path)
         ("decode-8: spec / numpy-vectorised", 4.0, False),  # 4e-3 / 1e-3
         ("decode-64: spec / numpy-vectorised", 3.0, True),  # 6e-3 / 2e-3
         ("absent", None, None),
+        ("decode-8: fast / peer, interleaved", 1.5, False),  # 3e-3 / 2e-3, both from one benchmark
+        ("decode-64: fast / peer, interleaved", 0.5, True),
+        ("at 64 only", 0.5, True),
+        ("not run", None, None),
     ]
 
 

@@ -167,12 +167,17 @@ def render(json_paths: list[Path], page: Path, img_dir: Path) -> None:
         "- **Workloads.** `decode-N`: N running requests, one token each, contexts uniform in 1k–4k tokens. "
         "`prefill-PxL`: P new prompts of L tokens each step (last step's finish). `mixed-N+PxL`: both. `-g3`: three KV "
         "cache groups (block sizes 16 and 32, and a sliding-window group of 16) instead of one. Block ids are a "
-        "shuffled free list, as an allocator hands them out. Every provider sees the same stream of steps.",
+        "shuffled free list, as an allocator hands them out. Every provider sees the same stream of steps. "
+        "Continuing requests arrive as `CachedRequestColumns` (vLLM's columnar CachedRequestData); `-objects` "
+        "sends one `CachedRequest` object per request instead.",
         "- **Stateful stages** (`apply`, `host_step`, `layer_step`) time one step per round, each round a new valid "
         "step (built untimed), so the pool stays in steady state. CUDA work is synchronised inside every timed call.",
         "- **Ratios** divide a provider's median by the reference provider's median on the same workload: "
         "`numpy-vectorised` for host stages, `dense-sdpa` for attention, `spec` for write_kv and the layer step. "
-        "0.50× means half the reference's time (twice as fast); 10× means ten times slower.",
+        "0.50× means half the reference's time (twice as fast); 10× means ten times slower. Separate benchmarks run "
+        "seconds apart, and on a shared machine the load between them moves a ratio by tens of percent, so the host "
+        "step targets come from `host_step_interleaved`: fast's timed rounds alternate with numpy-vectorised's "
+        "steps in one benchmark, both timed by pytest-benchmark's clock, and the ratio divides those two medians.",
         "- **Throughput** is the work recorded in each benchmark's `extra_info` divided by its median: bytes of "
         "BatchInputs produced (plus pool writes for apply) for host stages, K/V/q/out bytes for write_kv, FLOPs for "
         "attention (4 per query-head, visible key and dimension).",

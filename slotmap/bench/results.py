@@ -26,6 +26,7 @@ class Result:
     launches: int | None = None  # Triton launches of one call (fast's prepare only)
     what: str = ""  # the stage's description, when the benchmark recorded one
     reference: str | None = None  # the provider its ratios divide by, when recorded
+    reference_median: float | None = None  # seconds: the reference's median timed interleaved with this one
 
 
 def load(path: Path) -> tuple[dict[str, Any], list[Result]]:
@@ -51,6 +52,7 @@ def load(path: Path) -> tuple[dict[str, Any], list[Result]]:
                 info.get("launches"),
                 info.get("what", ""),
                 info.get("reference"),
+                info.get("reference_median"),
             )
         )
     return data, results
