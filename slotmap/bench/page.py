@@ -157,8 +157,9 @@ def render(json_paths: list[Path], page: Path, img_dir: Path) -> None:
         "",
         "## What is measured",
         "",
-        "- **Providers.** `spec`: the NumPy reference. `fast`: the torch implementation on CPU tensors (vectorised "
-        "torch ops). `fast-cuda`: the same on a CUDA device (Triton kernels), when one is present. `numpy-vectorised`: "
+        "- **Providers.** `spec`: the NumPy reference. `fast`: the torch implementation on CPU tensors (host "
+        "stages as NumPy and Numba-compiled loops over memory its tensors share; kernels as torch ops). "
+        "`fast-cuda`: the same on a CUDA device (Triton kernels), when one is present. `numpy-vectorised`: "
         "persistent NumPy arrays and `np.repeat`/`cumsum` index arithmetic with flat gathers and no validation, as "
         "vLLM v1's CPU input preparation does: the strongest CPU peer. `python-lists`: per-token Python lists turned "
         "into tensors, as small educational engines (nano-vllm) do. `dense-sdpa`: "
