@@ -10,11 +10,13 @@ One path per call:
   StepPlan). `_commit` then applies that one plan to the host mirror and, where the device state is
   separate, launches one kernel with the step's final values (fast.writes.step_writes).
 - prepare: reads only the applied plan (frozen at apply, as spec) and the state. The batch order is
-  computed on the host; the arrays come from one kernel (Triton), or from NumPy over the shared state.
-- record_sampled: spec's rules, checked vectorised, one scatter of the accepted ids.
+  computed on the host; the arrays come from one kernel (Triton), or from compiled loops over the shared
+  state (fast/flatten.py, fast/slots.py).
+- record_sampled: spec's rules, checked in one compiled pass, one scatter of the accepted ids.
 - drafts (speculative decoding, spec/drafts.py): apply writes each request's drafts into the token storage
-  just past its known tokens, as vLLM v1 writes spec tokens into token_ids_cpu, so prepare (kernel or
-  NumPy) reads them as input ids with no extra launch; record_sampled writes the accepted tokens over them.
+  just past its known tokens (under Triton as token ops of apply's one launch), as vLLM v1 writes spec
+  tokens into token_ids_cpu, so prepare (kernel or CPU) reads them as input ids with no extra launch;
+  record_sampled writes the accepted tokens over them.
   Only the sampler's indices (num_reqs-sized) are computed on the host in a drafting step.
 
 The kernel mode is fixed when the pool is built (fast.runtime.use_triton at that moment):
@@ -46,7 +48,7 @@ from fast.runtime import interpret, interpret_enabled, use_triton
 from fast.slots import gather_block_tables, slot_mapping
 from fast.state import DeviceState, write_prompts, write_tables
 from fast.validate import StepPlan, from_spec_plan, last_null_entries, plan_bulk_step
-from fast.writes import apply_writes, step_writes, upload
+from fast.writes import apply_writes, draft_columns, step_writes, upload
 from spec.drafts import DraftLogits, accepted_rows, check_accepted, draft_logits
 from spec.errors import InconsistentSchedulerOutputError, ModelLengthError, TokenIdError, UnknownRequestError
 from spec.state import PoolState
@@ -103,8 +105,10 @@ class RequestStatePool:
     def _commit(self, plan: StepPlan, all_rows_changed: bool) -> None:
         """The one commit: host mirror first (it is the device on plain CPU), then the device in one launch."""
         state, dev = self.state, self.dev
-        if plan.prompt_lens.size:
-            dev.reserve_tokens(int(plan.prompt_lens.max()))
+        longest = int(plan.prompt_lens.max()) if plan.prompt_lens.size else 0
+        if plan.num_drafts is not None:  # drafts go past the known tokens: room for them too
+            longest = max(longest, int((draft_columns(state, plan) + plan.num_drafts).max()))
+        dev.reserve_tokens(longest)
         writes = None if dev.shared else step_writes(state, plan)  # needs the mirror as it was
         freed = plan.freed_rows
         for row in freed.tolist():
@@ -133,7 +137,7 @@ class RequestStatePool:
         if writes is not None:
             with interpret(self._interpret):
                 apply_writes(dev, writes)
-        if plan.num_drafts is not None:
+        if plan.num_drafts is not None and dev.token_ids_np is not None:  # under Triton, step_writes carried them
             self._store_drafts(plan.num_drafts, plan)
 
     def _store_drafts(self, num_drafts: np.ndarray, plan: StepPlan) -> None:

@@ -6,9 +6,10 @@ same step is a single write of its new contents, with the stale tail zeroed).
 
 Packed layout (int64), the argument of fast.kernels.apply_writes:
     table_ops [n_t, 6]  row, group, lo, hi, count, data index: table[row, lo:hi] = data[...], count -> num_blocks
-    prompt_ops [n_p, 3] row, length, data index: token_ids[row, :length] = data[...]
+    token_ops [n_p, 4]  row, column, length, data index: token_ids[row, column:column + length] = data[...]
+                        (a new prompt from column 0; a request's drafts past its known tokens)
     computed  [n_c, 2]  row, value: num_computed_tokens[row] = value
-    data      [D]       block ids, then prompt tokens
+    data      [D]       block ids, then prompt tokens, then drafts
 """
 
 from __future__ import annotations
@@ -28,23 +29,23 @@ if TYPE_CHECKING:
     from spec.state import PoolState
 
 TABLE_OP_FIELDS = 6
-PROMPT_OP_FIELDS = 3
+TOKEN_OP_FIELDS = 4
 COMPUTED_FIELDS = 2
 
 
 @dataclass(frozen=True)
 class StepWrites:
     table_ops: np.ndarray  # [n_t, 6] int64, see module docstring
-    prompt_ops: np.ndarray  # [n_p, 3] int64
+    token_ops: np.ndarray  # [n_p, 4] int64
     computed: np.ndarray  # [n_c, 2] int64
     data: np.ndarray  # [D] int64
 
     @property
     def empty(self) -> bool:
-        return not (len(self.table_ops) or len(self.prompt_ops) or len(self.computed))
+        return not (len(self.table_ops) or len(self.token_ops) or len(self.computed))
 
     def packed(self) -> np.ndarray:  # [6 n_t + 3 n_p + 2 n_c + D] int64
-        parts = (self.table_ops, self.prompt_ops, self.computed, self.data)
+        parts = (self.table_ops, self.token_ops, self.computed, self.data)
         return np.concatenate([p.reshape(-1) for p in parts]).astype(np.int64, copy=False)
 
 
@@ -67,7 +68,7 @@ def apply_writes(dev: DeviceState, writes: StepWrites) -> None:
         dev,
         upload(writes.packed(), dev.device),
         len(writes.table_ops),
-        len(writes.prompt_ops),
+        len(writes.token_ops),
         len(writes.computed),
         len(writes.data),
     )
@@ -104,18 +105,40 @@ def step_writes(state: PoolState, plan: StepPlan) -> StepWrites:
         ops.append(np.stack([rows, np.full(rows.size, g), lo, hi, count, first], axis=1))
         data.append(block)
         data_len += block.size
-    lengths = plan.prompt_lens
-    prompt_ops = np.stack([plan.new_rows, lengths, data_len + lengths.cumsum() - lengths], axis=1)
+    # prompts from column 0, then each drafting request's drafts from its known length (they are input ids
+    # prepare reads, not known tokens: record_sampled writes the accepted ones over them)
+    rows, columns, lengths = plan.new_rows, np.zeros_like(plan.new_rows), plan.prompt_lens
+    token_data = [plan.prompt_tokens.astype(np.int64)]
+    if plan.num_drafts is not None:
+        drafting = np.flatnonzero(plan.num_drafts)  # [d] scheduler order
+        rows = np.concatenate([rows, plan.rows[drafting]])
+        columns = np.concatenate([columns, draft_columns(state, plan)[drafting]])
+        lengths = np.concatenate([lengths, plan.num_drafts[drafting]])
+        token_data.append(plan.draft_ids.astype(np.int64))
+    token_ops = np.stack([rows, columns, lengths, data_len + lengths.cumsum() - lengths], axis=1)
     cleared = plan.freed_rows[~np.isin(plan.freed_rows, plan.computed_rows)]  # freed rows nobody takes: progress to 0
     computed = np.concatenate(
         [np.stack([plan.computed_rows, plan.computed_values], axis=1), np.stack([cleared, 0 * cleared], axis=1)]
     )
     return StepWrites(
         table_ops=np.concatenate(ops).reshape(-1, TABLE_OP_FIELDS),
-        prompt_ops=prompt_ops.reshape(-1, PROMPT_OP_FIELDS),
+        token_ops=token_ops.reshape(-1, TOKEN_OP_FIELDS),
         computed=computed.reshape(-1, COMPUTED_FIELDS),
-        data=np.concatenate([*data, plan.prompt_tokens.astype(np.int64)]),
+        data=np.concatenate([*data, *token_data]),
     )
+
+
+def draft_columns(state: PoolState, plan: StepPlan) -> np.ndarray:
+    """[n] scheduler order: the column where each scheduled request's drafts start, its known tokens after the step.
+
+    Read before the commit: a new request knows its prompt (its row may still hold a finished request's count).
+    """
+    known = state.num_tokens[plan.rows].copy()  # [n]
+    new_lengths = dict(zip(plan.new_rows.tolist(), plan.prompt_lens.tolist(), strict=True))
+    for i, row in enumerate(plan.rows.tolist()):
+        if row in new_lengths:
+            known[i] = new_lengths[row]
+    return known
 
 
 def _segments(writes: GroupWrites, keep: np.ndarray) -> np.ndarray:

@@ -53,16 +53,17 @@ def _random_writes(dev: DeviceState, rng: np.random.Generator) -> StepWrites:
         hi = int(rng.integers(lo, width + 1))
         table_ops.append([row, g, lo, hi, int(rng.integers(0, width + 1)), len(data)])
         data += rng.integers(0, 1000, hi - lo).tolist()
-    prompt_ops = []
-    for row in rng.permutation(rows)[: rng.integers(0, rows + 1)]:
-        length = int(rng.integers(1, config.max_model_len + 1))
-        prompt_ops.append([int(row), length, len(data)])
+    token_ops = []
+    for row in rng.permutation(rows)[: rng.integers(0, rows + 1)]:  # one run per row: a prompt, or drafts past it
+        column = int(rng.integers(0, config.max_model_len))
+        length = int(rng.integers(1, config.max_model_len - column + 1))
+        token_ops.append([int(row), column, length, len(data)])
         data += rng.integers(0, 1000, length).tolist()
     computed_rows = rng.permutation(rows)[: rng.integers(0, rows + 1)]
     computed = np.stack([computed_rows, rng.integers(0, 1000, computed_rows.size)], axis=1)
     return StepWrites(
         np.array(table_ops, np.int64).reshape(-1, 6),
-        np.array(prompt_ops, np.int64).reshape(-1, 3),
+        np.array(token_ops, np.int64).reshape(-1, 4),
         computed.astype(np.int64).reshape(-1, 2),
         np.array(data, np.int64),
     )
@@ -78,9 +79,9 @@ def _reference(dev: DeviceState, writes: StepWrites) -> dict[str, np.ndarray]:
         for col in range(lo, hi):
             tables[g][row, col] = writes.data[src + col - lo]
         num_blocks[g, row] = count
-    for row, length, src in writes.prompt_ops.tolist():
+    for row, column, length, src in writes.token_ops.tolist():
         for col in range(length):
-            tokens[row, col] = writes.data[src + col]
+            tokens[row, column + col] = writes.data[src + col]
     for row, value in writes.computed.tolist():
         computed[row] = value
     return {"tables": np.concatenate([t.reshape(-1) for t in tables]), "num_blocks": num_blocks,

@@ -128,7 +128,7 @@ def apply_writes_launch(num_groups: int) -> Launch:
     from fast.kernels.apply_writes import apply_writes_triton
 
     n_t, n_p, n_c, num_data = 2, 1, 3, 40  # ops of each kind, and data entries after them
-    packed = torch.empty(6 * n_t + 3 * n_p + 2 * n_c + num_data, dtype=torch.int64, device="meta")
+    packed = torch.empty(6 * n_t + 4 * n_p + 2 * n_c + num_data, dtype=torch.int64, device="meta")
     with captured_launches() as launches:
         apply_writes_triton(_device_state(num_groups, 1000), packed, n_t, n_p, n_c, num_data)
     return _only(launches)

@@ -1,8 +1,9 @@
 """Kernel 1: apply one step's packed writes (fast.writes) to the pool's device state in one launch.
 
 Programs [0, n_t) each write one (row, group) block-table range and its block count; programs
-[n_t, n_t + n_p) each copy one new prompt into its row; the rest scatter num_computed_tokens,
-BLOCK pairs each. The host packed final values only, so no two programs write the same entry.
+[n_t, n_t + n_p) each copy one run of token ids into its row (a new prompt from column 0, or a request's
+drafts past its known tokens); the rest scatter num_computed_tokens, BLOCK pairs each. The host packed
+final values only, so no two programs write the same entry.
 """
 
 from __future__ import annotations
@@ -23,14 +24,14 @@ BLOCK = 256
 
 def apply_writes_triton(
     dev: DeviceState,
-    packed: torch.Tensor,  # [6 n_t + 3 n_p + 2 n_c + num_data] int64, fast.writes.StepWrites.packed()
+    packed: torch.Tensor,  # [6 n_t + 4 n_p + 2 n_c + num_data] int64, fast.writes.StepWrites.packed()
     n_t: int,  # table ops
-    n_p: int,  # prompt ops
+    n_p: int,  # token ops (prompts and drafts)
     n_c: int,  # num_computed_tokens pairs
     num_data: int,  # block ids and prompt tokens after the ops
 ) -> None:
     prompt_base = 6 * n_t
-    computed_base = prompt_base + 3 * n_p
+    computed_base = prompt_base + 4 * n_p
     data_base = computed_base + 2 * n_c
     expected = (data_base + num_data,)
     if packed.dtype != torch.int64 or tuple(packed.shape) != expected or packed.stride(0) != 1:
@@ -97,14 +98,16 @@ def _apply_writes_kernel(
             tl.store(table_row + cols, ids.to(tl.int32), mask=mask)
         tl.store(num_blocks_ptr + group * max_num_reqs + row, count.to(tl.int32))
     elif pid < num_table_ops + num_prompts:
-        op = packed_ptr + prompt_base + (pid - num_table_ops) * 3
+        op = packed_ptr + prompt_base + (pid - num_table_ops) * 4
         row = tl.load(op)
-        length = tl.load(op + 1)
-        src = packed_ptr + data_base + tl.load(op + 2)
+        column = tl.load(op + 1)
+        length = tl.load(op + 2)
+        src = packed_ptr + data_base + tl.load(op + 3)
         for start in range(0, length, BLOCK):
             cols = start + lanes
             mask = cols < length
-            tl.store(token_ids_ptr + row * token_stride + cols, tl.load(src + cols, mask=mask), mask=mask)
+            dst = token_ids_ptr + row * token_stride + column + cols
+            tl.store(dst, tl.load(src + cols, mask=mask), mask=mask)
     else:
         pairs = (pid - num_table_ops - num_prompts) * BLOCK + lanes
         mask = pairs < num_computed
