@@ -92,6 +92,7 @@ class RequestStatePool:
         self._out64 = np.zeros(0, np.int64)
         self._views: dict[str, Any] = {}  # the batch's tensors over those buffers, for the shape in _views_key
         self._views_key: tuple[int, ...] = ()
+        self._buffers_grown = 0  # times either buffer was reallocated: part of _views_key
 
     # ---- apply -------------------------------------------------------------------------------------
     def apply(self, sched: SchedulerOutput) -> None:
@@ -251,7 +252,7 @@ class RequestStatePool:
             slot_mappings.append(slots)
         # The tensors view the reused buffers, so a step of the same shape as the last (every decode step of a
         # steady batch) hands out the same tensor objects, now holding this step's values: no re-wrapping.
-        key = (n, t, num_tokens, self._out32.ctypes.data, self._out64.ctypes.data)
+        key = (n, t, num_tokens, self._buffers_grown)
         if key != self._views_key:
             wrap = torch.from_numpy
             self._views = {
@@ -282,11 +283,13 @@ class RequestStatePool:
     def _buffer32(self, size: int) -> np.ndarray:
         if self._out32.size < size:
             self._out32 = np.zeros(max(size, 2 * self._out32.size), np.int32)
+            self._buffers_grown += 1  # views over the old buffer are stale
         return self._out32[:size]
 
     def _buffer64(self, size: int) -> np.ndarray:
         if self._out64.size < size:
             self._out64 = np.zeros(max(size, 2 * self._out64.size), np.int64)
+            self._buffers_grown += 1
         return self._out64[:size]
 
     # ---- record_sampled ----------------------------------------------------------------------------
