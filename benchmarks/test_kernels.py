@@ -161,6 +161,42 @@ def test_paged_attention(benchmark: Any, bench_budget: float, workload: Workload
     run_plain(benchmark, target, bench_budget)
 
 
+@pytest.mark.parametrize(("workload", "provider_name"), [param(w, "fast") for w in KERNEL_WORKLOADS])
+def test_paged_attention_interleaved(
+    benchmark: Any, bench_budget: float, workload: Workload, provider_name: str
+) -> None:
+    """fast's CPU paged attention with dense SDPA on the same tokens run between its rounds (the ratio targets).
+
+    As host_step_interleaved: separate benchmarks seconds apart are too noisy on a shared machine to divide.
+    """
+    provider, dense = providers.get(provider_name), providers.get("dense-sdpa")
+    _skip_if_trimmed(workload, provider, "paged_attention")
+    _skip_if_trimmed(workload, dense, "paged_attention")
+    inputs, shape = kernel_inputs(workload, "cpu"), shape_for("cpu")
+    qsl = inputs.query_start_loc
+    kv = contiguous_kv(inputs.key_cache, inputs.value_cache, inputs.block_table, inputs.seq_lens, qsl)
+    starts = qsl.tolist()
+    args = [_native(provider, t) for t in (inputs.query, inputs.key_cache, inputs.value_cache)]
+    args += [provider.asarray(a) for a in (inputs.block_table, inputs.seq_lens, qsl)]
+    timer, dense_times = benchmark._timer, []
+
+    def setup() -> tuple[Any, ...]:
+        start = timer()
+        dense_attention(inputs.query, kv, starts, scale=shape.scale)
+        dense_times.append(timer() - start)
+        return ()
+
+    def target() -> None:
+        provider.module.paged_attention(*args, scale=shape.scale)
+
+    nbytes, flops = _attention_work(qsl, inputs.seq_lens, shape)
+    record(benchmark, "paged_attention_interleaved", workload, provider_name, nbytes=nbytes, flops=flops,
+           reference="dense-sdpa", what="paged attention, fast's rounds interleaved with dense SDPA's")  # fmt: skip
+    run_stateful(benchmark, target, setup, bench_budget)
+    if dense_times:
+        benchmark.extra_info["reference_median"] = float(np.median(dense_times[1:] or dense_times))
+
+
 @pytest.mark.parametrize(
     ("workload", "provider_name"), [param(w, p) for w in LAYER_WORKLOADS for p in providers.KERNEL_PROVIDERS]
 )

@@ -177,8 +177,9 @@ def render(json_paths: list[Path], page: Path, img_dir: Path) -> None:
         "`numpy-vectorised` for host stages, `dense-sdpa` for attention, `spec` for write_kv and the layer step. "
         "0.50× means half the reference's time (twice as fast); 10× means ten times slower. Separate benchmarks run "
         "seconds apart, and on a shared machine the load between them moves a ratio by tens of percent, so the host "
-        "step targets come from `host_step_interleaved`: fast's timed rounds alternate with numpy-vectorised's "
-        "steps in one benchmark, both timed by pytest-benchmark's clock, and the ratio divides those two medians.",
+        "step and attention targets come from `host_step_interleaved` and `paged_attention_interleaved`: fast's "
+        "timed rounds alternate with the reference's (numpy-vectorised, dense SDPA) in one benchmark, both timed by "
+        "pytest-benchmark's clock, and the ratio divides those two medians.",
         "- **Throughput** is the work recorded in each benchmark's `extra_info` divided by its median: bytes of "
         "BatchInputs produced (plus pool writes for apply) for host stages, K/V/q/out bytes for write_kv, FLOPs for "
         "attention (4 per query-head, visible key and dimension).",

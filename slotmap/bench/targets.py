@@ -69,9 +69,10 @@ TARGETS: tuple[Ratio | EachWorkload | Interleaved, ...] = (
           ("decode-1024", "fast"), ("decode-256", "fast"), 4.5),
     Interleaved("host step, {workload}: fast / numpy-vectorised (interleaved)", "host_step_interleaved", "fast",
                 None, 1.0),
-    Ratio("paged attention, 64 decodes: fast / dense-sdpa", "paged_attention",
-          ("decode-64", "fast"), ("decode-64", "dense-sdpa"), 1.2),
-    EachWorkload("paged attention, {workload}: fast / dense-sdpa", "paged_attention", "fast", "dense-sdpa", 1.5),
+    Interleaved("paged attention, 64 decodes: fast / dense-sdpa (interleaved)", "paged_attention_interleaved", "fast",
+                "decode-64", 1.2),
+    Interleaved("paged attention, {workload}: fast / dense-sdpa (interleaved)", "paged_attention_interleaved", "fast",
+                None, 1.5),
 )  # fmt: skip
 
 
