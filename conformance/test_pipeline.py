@@ -6,6 +6,8 @@ never from the code under test.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -16,6 +18,7 @@ from conformance.tolerance import assert_attention_close
 from spec import (
     NULL_BLOCK_ID,
     PAD_SLOT_ID,
+    BlockIdError,
     CachedRequest,
     KVCacheGroup,
     NewRequest,
@@ -94,6 +97,63 @@ def test_sliding_window_group_with_null_early_entries(backend: BackendHandle) ->
     np.testing.assert_array_equal(batch["slot_mappings"][1], [32 * 4 + 3])
     np.testing.assert_array_equal(batch["block_tables"][1][0, :5], windowed)
     assert pool.snapshot()[0].block_ids[1] == windowed
+
+
+def _window_reuse_pool(backend: BackendHandle) -> tuple[Any, SchedulerOutput]:
+    """Window 8, block 4: "r" holds 12 tokens in blocks (5, 6, 7); its next query (position 12) reads 5..12."""
+    config = WorkerConfig(2, 32, 32, 100, (KVCacheGroup(4, 16, sliding_window=8),))
+    pool = backend.make_pool(config)
+    prefill = SchedulerOutput(new_requests=(NewRequest("r", tuple(range(1, 13)), ((5, 6, 7),)),),
+                              num_scheduled_tokens={"r": 12})  # fmt: skip
+    step(backend, pool, prefill, {"r": 13})
+    return pool, prefill
+
+
+def test_a_block_the_window_released_may_come_back_to_the_same_request(backend: BackendHandle) -> None:
+    # Position 12 reads positions 5..12, so entry 0 (positions 0..3) is released: vLLM's allocator hands
+    # its block straight back, and the worker's append-only table lists 5 twice, once released.
+    pool, _ = _window_reuse_pool(backend)
+    batch = step(backend, pool, SchedulerOutput(cached_requests=(CachedRequest("r", 12, ((5,),)),),
+                                                num_scheduled_tokens={"r": 1}))  # fmt: skip
+    np.testing.assert_array_equal(batch["slot_mappings"][0], [5 * 4 + 0])  # logical block 3, offset 0
+    np.testing.assert_array_equal(batch["block_tables"][0][0, :4], [5, 6, 7, 5])
+    assert pool.snapshot()[0].block_ids == ((5, 6, 7, 5),)
+    for position in (13, 14, 15):  # the decodes that follow write the reused block; entry 0 stays released
+        batch = step(backend, pool, SchedulerOutput(cached_requests=(CachedRequest("r", position, None),),
+                                                    num_scheduled_tokens={"r": 1}))  # fmt: skip
+        np.testing.assert_array_equal(batch["slot_mappings"][0], [5 * 4 + position % 4])
+
+
+@pytest.mark.parametrize(
+    ("num_computed", "new_ids", "why"),
+    [
+        (12, (6,), "entry 1 (positions 4..7) is still read at position 12"),
+        (12, (8, 8), "two appended entries"),
+        (8, (5,), "position 8 reads 1..8: entry 0 is not released yet"),
+    ],
+)
+def test_a_block_twice_among_live_entries_is_refused(
+    backend: BackendHandle, num_computed: int, new_ids: tuple[int, ...], why: str
+) -> None:
+    pool, _ = _window_reuse_pool(backend)
+    before = pool.snapshot()
+    sched = SchedulerOutput(cached_requests=(CachedRequest("r", num_computed, (new_ids,)),),
+                            num_scheduled_tokens={"r": 13 - num_computed})  # fmt: skip
+    with pytest.raises(BlockIdError, match="appears twice"):
+        pool.apply(sched)
+    assert pool.snapshot() == before, why
+
+
+def test_a_released_duplicate_read_again_is_refused(backend: BackendHandle) -> None:
+    # After the reuse is committed, a step that starts early enough to read entry 0 again reads block 5
+    # twice (entries 0 and 3): refused, though the same table was accepted by the step before.
+    pool, _ = _window_reuse_pool(backend)
+    step(backend, pool, SchedulerOutput(cached_requests=(CachedRequest("r", 12, ((5,),)),),
+                                        num_scheduled_tokens={"r": 1}))  # fmt: skip
+    before = pool.snapshot()
+    with pytest.raises(BlockIdError, match="appears twice"):
+        pool.apply(SchedulerOutput(cached_requests=(CachedRequest("r", 4, None),), num_scheduled_tokens={"r": 9}))
+    assert pool.snapshot() == before
 
 
 def test_padding_gives_pad_slots_and_monotone_query_start_loc(backend: BackendHandle) -> None:

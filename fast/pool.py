@@ -47,7 +47,7 @@ from fast.kernels.prepare import prepare_triton
 from fast.runtime import interpret, interpret_enabled, use_triton
 from fast.slots import gather_block_tables, slot_mapping
 from fast.state import DeviceState, write_prompts, write_tables
-from fast.validate import StepPlan, from_spec_plan, last_null_entries, plan_bulk_step
+from fast.validate import StepPlan, from_spec_plan, last_released_entries, plan_bulk_step
 from fast.writes import apply_writes, draft_columns, step_writes, upload
 from spec.drafts import DraftLogits, accepted_rows, check_accepted, draft_logits
 from spec.errors import InconsistentSchedulerOutputError, ModelLengthError, TokenIdError, UnknownRequestError
@@ -76,8 +76,8 @@ class RequestStatePool:
             raise ValueError(f"fast runs on CUDA (Triton) or CPU tensors, not {self.device}")
         self.state = PoolState(config)  # host mirror: validation and batch order read only this
         self.dev = DeviceState(config, self.device, mirror=None if self._triton else self.state)
-        # per sliding-window group [R]: last null entry of each row's table (fast.validate.last_null_entries)
-        self._null_tails: list[np.ndarray | None] = [
+        # per sliding-window group [R]: last released entry of each row's table (fast.validate.last_released_entries)
+        self._released_tails: list[np.ndarray | None] = [
             np.full(config.max_num_reqs, -1, np.int64) if g.sliding_window is not None else None
             for g in config.kv_groups
         ]
@@ -96,14 +96,13 @@ class RequestStatePool:
 
     # ---- apply -------------------------------------------------------------------------------------
     def apply(self, sched: SchedulerOutput) -> None:
-        plan = plan_bulk_step(self.state, sched, self._null_tails)
-        covered = plan is not None
+        plan = plan_bulk_step(self.state, sched, self._released_tails)
         if plan is None:
             plan = from_spec_plan(self.state, sched, plan_step(self.state, sched))  # raises spec's error
-        self._commit(plan, all_rows_changed=not covered)
+        self._commit(plan)
         self._applied, self._plan, self._prepared = sched, plan, None
 
-    def _commit(self, plan: StepPlan, all_rows_changed: bool) -> None:
+    def _commit(self, plan: StepPlan) -> None:
         """The one commit: host mirror first (it is the device on plain CPU), then the device in one launch."""
         state, dev = self.state, self.dev
         longest = int(plan.prompt_lens.max()) if plan.prompt_lens.size else 0
@@ -131,8 +130,8 @@ class RequestStatePool:
             if w.rows.size:
                 write_tables(state.block_tables[g], state.num_blocks[g], w.rows, w.starts, w.lengths, w.ids, w.replaced)
         state.num_computed_tokens[plan.computed_rows] = plan.computed_values
-        if any(t is not None for t in self._null_tails):
-            self._refresh_null_tails(plan, all_rows_changed)
+        if any(t is not None for t in self._released_tails):
+            self._refresh_released_tails(plan)
         if dev.token_ids_np is not None and new_rows:
             write_prompts(dev.token_ids_np, plan.new_rows, plan.prompt_lens, plan.prompt_tokens)
         if writes is not None:
@@ -152,16 +151,14 @@ class RequestStatePool:
         rows = plan.rows[drafting]  # [d] req_state_idx
         self._store_tokens(rows[which], self.state.num_tokens[rows][which] + within, plan.draft_ids)
 
-    def _refresh_null_tails(self, plan: StepPlan, all_rows_changed: bool) -> None:
-        """Rows whose tables were replaced or cleared (or, from spec's plan, changed in any way) get new tails."""
-        for g, tails in enumerate(self._null_tails):
+    def _refresh_released_tails(self, plan: StepPlan) -> None:
+        """Rows whose tables changed get new tails (an append may hand back an id a window released)."""
+        for g, tails in enumerate(self._released_tails):
             if tails is None:
                 continue
-            w = plan.tables[g]
-            changed = w.rows if all_rows_changed else w.rows[w.replaced]
-            rows = np.union1d(changed, plan.freed_rows)
+            rows = np.union1d(plan.tables[g].rows, plan.freed_rows)
             if rows.size:
-                tails[rows] = last_null_entries(self.state, g, rows)
+                tails[rows] = last_released_entries(self.state, g, rows)
 
     # ---- prepare -----------------------------------------------------------------------------------
     def prepare(self, sched: SchedulerOutput, pad_to: int | None = None) -> BatchInputs:

@@ -13,13 +13,15 @@ refuses floats and values past int32 as spec's `operator.index` reading does), a
 (rows, counts, the new tables) is what the commit and prepare use.
 
 It relies on invariants of the pool state that plan_step and the commit establish:
-- every committed table passed the block-id checks, so only appended ids need checking against it;
+- every committed table passed the block-id checks, so only appended ids need checking against it,
+  unless a released entry (see last_released_entries) lies in the step's live part;
 - entries past a row's block count are NULL_BLOCK_ID and appended ids are >= 1, so an appended id can
   be compared with the row's stored entries without masking;
 - num_tokens[row] <= max_model_len, so seq_len <= num_tokens (check 8) implies check 7.
-Check 13 (no slot written twice) is made per block: tokens of one request never share a slot (its
-blocks are distinct), so if no physical block is written by two requests no slot is. A block written
-by two requests (legal when their offsets differ) goes to plan_step's exact per-slot check.
+Check 13 (no slot written twice) is made per block: tokens of one request never share a slot (the
+blocks it writes are live entries, which are distinct), so if no physical block is written by two
+requests no slot is. A block written by two requests (legal when their offsets differ) goes to
+plan_step's exact per-slot check.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from numba import njit
 
 from spec.state import PoolState
 from spec.state import StepPlan as SpecStepPlan
-from spec.types import NULL_BLOCK_ID, CachedRequest, CachedRequestColumns, NewRequest, SchedulerOutput
+from spec.types import CachedRequest, CachedRequestColumns, NewRequest, SchedulerOutput
 
 _SEQUENCES = (tuple, list)
 _EMPTY = np.zeros(0, np.int64)
@@ -74,7 +76,7 @@ class StepPlan:
 def plan_bulk_step(
     state: PoolState,
     sched: SchedulerOutput,
-    null_tails: list[np.ndarray | None] | None = None,  # per group [R]: last_null_entries of every row, or None to scan
+    released_tails: list[np.ndarray | None] | None = None,  # per group [R]: last_released_entries, or None: scan
 ) -> StepPlan | None:
     config = state.config
     scheduled, new, finished = sched.num_scheduled_tokens, sched.new_requests, sched.finished_req_ids
@@ -136,7 +138,7 @@ def plan_bulk_step(
 
     tables, computed_rows, computed_values = [], rows, num_computed
     for g in range(len(config.kv_groups)):
-        tails = null_tails[g] if null_tails is not None else None
+        tails = released_tails[g] if released_tails is not None else None
         checked = _check_group(state, g, rows, num_computed, last, appends[g], tails)
         if checked is None:
             return None
@@ -292,10 +294,8 @@ def _check_new_tables(  # pragma: no cover - compiled; tested through plan_bulk_
         for e in range(read_from, last[i] // block_size + 1):
             if table[e] == 0:
                 return False  # a token would read or write through the null block
-        ordered = np.sort(table)
-        for e in range(1, ordered.shape[0]):
-            if ordered[e] == ordered[e - 1] and ordered[e] != 0:
-                return False  # a block twice in one table
+        if _repeats_a_block(table[read_from:]):
+            return False  # a block twice among the entries not released by the window
         for e in range(num_computed[i] // block_size, last[i] // block_size + 1):
             written[w] = table[e]
             w += 1
@@ -378,7 +378,7 @@ def _check_group(
     num_computed: np.ndarray,  # [n]
     last: np.ndarray,  # [n] last position each writes
     appended: tuple[np.ndarray, np.ndarray, np.ndarray],  # request index [a], lengths [a], ids
-    null_tails: np.ndarray | None,  # [R] last null entry of every row, or None
+    released_tails: np.ndarray | None,  # [R] last released entry of every row, or None
 ) -> tuple[GroupWrites, np.ndarray] | None:
     """Checks 9-12 for group g's cached requests: their appends, and the physical blocks their tokens write."""
     group = state.config.kv_groups[g]
@@ -388,7 +388,7 @@ def _check_group(
     ok = _check_cached_group(
         state.block_tables[g], state.num_blocks[g], rows, num_computed, last, app_req, lengths, ids,
         min(group.num_blocks, 2**31), group.block_size, group.sliding_window or 0,
-        _NO_TAILS if null_tails is None else null_tails, app_counts, written,
+        _NO_TAILS if released_tails is None else released_tails, app_counts, written,
     )  # fmt: skip
     if not ok:
         return None
@@ -436,7 +436,7 @@ def _check_cached_group(  # pragma: no cover - compiled; tested through plan_bul
     id_limit: int,  # appended ids must be < this (num_blocks, and int32 for the tables)
     block_size: int,
     window: int,  # sliding window, 0 for none
-    null_tails: np.ndarray,  # [R] last null entry per row, or empty: scan the window
+    released_tails: np.ndarray,  # [R] last released entry per row (last_released_entries), or empty: scan
     app_counts: np.ndarray,  # [a] int64 out: each appending row's filled entries before the step
     written: np.ndarray,  # [w] int64 out: the physical block of every (request, block) the step writes
 ) -> bool:
@@ -457,22 +457,25 @@ def _check_cached_group(  # pragma: no cover - compiled; tested through plan_bul
         first, last_block = num_computed[i] // block_size, last[i] // block_size
         if count + added[i] > width or last_block >= count + added[i]:
             return False  # too many blocks for the table, or a missing block
-        for j in range(added[i]):  # appended ids: in range, new to the row, not repeated
+        lo = 0 if window == 0 else max(0, num_computed[i] - window + 1) // block_size  # first live entry
+        for j in range(added[i]):  # appended ids: in range, new among the live entries, not repeated
             block = ids[start_of[i] + j]
             if block <= 0 or block >= id_limit:
                 return False  # out of range, or a null placeholder (plan_step decides those)
-            for e in range(count):
+            for e in range(lo, count):
                 if table[row, e] == block:
                     return False
             for e in range(j):
                 if ids[start_of[i] + e] == block:
                     return False
-        if window > 0:  # no committed entry read this step is null (appended ids are >= 1)
-            lo = max(0, num_computed[i] - window + 1) // block_size
-            if null_tails.shape[0] == 0 or null_tails[row] >= lo:
-                for e in range(lo, min(last_block, count - 1) + 1):
-                    if table[row, e] == 0:
-                        return False
+        # a released entry (null, or an id handed to the row again) at or past lo: the committed live
+        # entries may read the null block or repeat an id, so look at them all (appended ids are >= 1)
+        if window > 0 and (released_tails.shape[0] == 0 or released_tails[row] >= lo):
+            for e in range(lo, min(last_block, count - 1) + 1):
+                if table[row, e] == 0:
+                    return False
+            if _repeats_a_block(table[row, lo:count]):
+                return False
         for block_index in range(first, last_block + 1):
             if block_index < count:
                 written[w] = table[row, block_index]
@@ -482,16 +485,44 @@ def _check_cached_group(  # pragma: no cover - compiled; tested through plan_bul
     return True
 
 
-def last_null_entries(state: PoolState, g: int, rows: np.ndarray) -> np.ndarray:
-    """[k] int64: for each row, the index of the last NULL_BLOCK_ID among its filled entries in group g, or -1.
+def last_released_entries(state: PoolState, g: int, rows: np.ndarray) -> np.ndarray:
+    """[k] int64: for each row, its last filled entry in group g that a window released, or -1.
 
-    The pool keeps these for sliding-window groups (the only ones whose tables may hold the null block),
-    so the null-read check of a decode step looks at one number per request instead of its window.
+    Released entries are the ones no step may read: NULL_BLOCK_ID placeholders, and an entry whose id
+    the row holds again further on (vLLM hands a released block back to the same request). The pool keeps
+    these for sliding-window groups (the only ones whose tables may hold either), so the checks of a
+    decode step look at one number per request instead of its window: below the step's first live
+    entry a released entry is harmless.
     """
-    table = state.block_tables[g][rows]  # [k, width]
-    width = table.shape[1]
-    null = (table == NULL_BLOCK_ID) & (np.arange(width) < state.num_blocks[g, rows][:, None])
-    return np.where(null.any(axis=1), width - 1 - np.argmax(null[:, ::-1], axis=1), -1).astype(np.int64)
+    return _last_released(state.block_tables[g], state.num_blocks[g], rows.astype(np.int64))
+
+
+@njit(cache=True, nogil=True)
+def _last_released(  # pragma: no cover - compiled; tested through the pool against spec
+    table: np.ndarray,  # [R, width] int32, the group's committed table
+    num_blocks: np.ndarray,  # [R] int64 filled entries per row
+    rows: np.ndarray,  # [k] int64 req_state_idx
+) -> np.ndarray:
+    out = np.full(rows.shape[0], -1, np.int64)  # [k]
+    for i in range(rows.shape[0]):
+        filled = table[rows[i], : num_blocks[rows[i]]]
+        order = np.argsort(filled, kind="mergesort")  # equal ids adjacent, earlier entries first
+        for j in range(order.shape[0]):
+            e = order[j]
+            again = j + 1 < order.shape[0] and filled[order[j + 1]] == filled[e]
+            if (filled[e] == 0 or again) and e > out[i]:
+                out[i] = e
+    return out
+
+
+@njit(cache=True, nogil=True)
+def _repeats_a_block(entries: np.ndarray) -> bool:  # pragma: no cover - compiled
+    """Some real (non-null) block id appears twice among `entries`."""
+    ordered = np.sort(entries)
+    for e in range(1, ordered.shape[0]):  # noqa: SIM110 - a loop Numba compiles (no generators)
+        if ordered[e] == ordered[e - 1] and ordered[e] != 0:
+            return True
+    return False
 
 
 def _merge(new_rows: np.ndarray, new: GroupWrites, cached: GroupWrites) -> GroupWrites:

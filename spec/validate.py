@@ -13,7 +13,8 @@ backend must use the same order, so that an output with several faults raises th
  7. ModelLengthError                  prompt or num_computed + num_scheduled > max_model_len
  8. UnknownTokenError                 num_computed + num_scheduled > known tokens (+ k drafts), or a request
                                       with k drafts whose step does not end exactly at known + k
- 9. BlockIdError                      id out of range, repeated in a table, null without a window
+ 9. BlockIdError                      id out of range, repeated among the entries not released by a
+                                      window, null without a window
 10. BlockTableOverflowError           more blocks than max_blocks_per_req
 11. MissingBlockError                 a scheduled token past the last block
 12. NullBlockError                    a token writes to or attends through the null block
@@ -336,10 +337,18 @@ def _check_block_ids(state: PoolState, s: _Scheduled, g: int) -> None:
     bad = table[(table < 0) | (table >= group.num_blocks)]
     if bad.size:
         raise BlockIdError(s.req_id, f"block_ids[{g}]", f"{bad[0]} not in [0, {group.num_blocks})")
-    real = np.sort(table[table != NULL_BLOCK_ID])
+    # Entries before the step's first read are released for good (this and every later step reads past
+    # them): vLLM's worker table is append-only and its allocator reuses freed blocks first, so such an
+    # entry may hold an id the request is handed again. Ids must be distinct from that entry on.
+    live_from = _first_read(s.num_computed, group.sliding_window) // group.block_size
+    live = table[live_from:]
+    real = np.sort(live[live != NULL_BLOCK_ID])
     if (real[1:] == real[:-1]).any():  # sorted, a repeated id sits next to itself
-        raise BlockIdError(s.req_id, f"block_ids[{g}]", "a block appears twice in one table")
-    if group.sliding_window is None and real.size != table.size:
+        again = int(real[1:][real[1:] == real[:-1]][0])
+        raise BlockIdError(
+            s.req_id, f"block_ids[{g}]", f"block {again} appears twice among the entries from {live_from} on"
+        )
+    if group.sliding_window is None and (table == NULL_BLOCK_ID).any():
         raise BlockIdError(s.req_id, f"block_ids[{g}]", "null block in a group without a sliding window")
 
 
@@ -360,12 +369,16 @@ def _check_blocks_present(state: PoolState, s: _Scheduled, g: int) -> None:
 
 def _check_null_reads(state: PoolState, s: _Scheduled, g: int) -> None:
     group = state.config.kv_groups[g]
-    window = group.sliding_window
-    first_read = 0 if window is None else max(0, s.num_computed - window + 1)
+    first_read = _first_read(s.num_computed, group.sliding_window)
     last = s.num_computed + s.num_scheduled - 1
     read = s.tables[g][first_read // group.block_size : last // group.block_size + 1]
     if (read == NULL_BLOCK_ID).any():
         raise NullBlockError(s.req_id, f"block_ids[{g}]", f"null block inside positions {first_read}..{last}")
+
+
+def _first_read(num_computed: int, window: int | None) -> int:
+    """The oldest position the step's first query reads: the window's start, or 0 without a window."""
+    return 0 if window is None else max(0, num_computed - window + 1)
 
 
 def _check_unique_slots(state: PoolState, scheduled: list[_Scheduled]) -> None:

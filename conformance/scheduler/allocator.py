@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import random
 from collections import OrderedDict
-from collections.abc import Collection, Iterator
+from collections.abc import Iterator
 
 from spec.types import NULL_BLOCK_ID
 
@@ -52,17 +52,13 @@ class BlockAllocator:
     def is_free(self, block: int) -> bool:
         return block not in self.ref_count
 
-    def free_blocks_outside(self, exclude: Collection[int]) -> int:
-        """Free blocks that are not in `exclude` (fresh blocks never are: nobody has seen them)."""
-        return self.num_free - sum(1 for b in exclude if b in self._freed)
-
     # ---- allocation -------------------------------------------------------------------------
-    def allocate(self, n: int, exclude: Collection[int] = ()) -> list[int]:
-        """n blocks with one holder each, none from `exclude`; raises if fewer are available."""
-        if self.free_blocks_outside(exclude) < n:
-            raise RuntimeError(f"allocator: {n} blocks requested, {self.free_blocks_outside(exclude)} available")
+    def allocate(self, n: int) -> list[int]:
+        """n blocks with one holder each; raises if fewer are free."""
+        if self.num_free < n:
+            raise RuntimeError(f"allocator: {n} blocks requested, {self.num_free} free")
         out: list[int] = []
-        for block in self._candidates(exclude):
+        for block in self._candidates():
             if len(out) == n:
                 break
             out.append(block)
@@ -103,8 +99,8 @@ class BlockAllocator:
             return self.num_usable - i
         return (i * self._stride + self._shift) % self.num_usable + 1
 
-    def _candidates(self, exclude: Collection[int]) -> Iterator[int]:
-        freed = (b for b in list(self._freed) if b not in exclude)
+    def _candidates(self) -> Iterator[int]:
+        freed = iter(list(self._freed))
         fresh = (self._fresh(i) for i in range(self._num_fresh_used, self.num_usable))
         first, second = (freed, fresh) if self.reuse_freed_first else (fresh, freed)
         yield from first

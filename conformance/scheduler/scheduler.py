@@ -17,11 +17,12 @@ chunk limit and the blocks allow; blocks are allocated for the draft positions t
 rejection step (`rejection_step`) says which drafts the target kept; `update` appends the kept tokens and
 rolls num_computed back past the rejected drafts, whose blocks the request keeps.
 
-Two constraints of the pool shape the model beyond vLLM's: a block may not appear twice in one row's
-table, and the pool never learns that a window released a block (the id stays in the row's table), so
-a request is never handed a block still listed in its own row; and no two tokens of one step may
-write one slot, so two full-cache hits that would recompute into the same shared slot are not
-admitted in the same step.
+Blocks a window released go back to the allocator at once, and (with `reuse_freed_first`, as vLLM's
+free queue does) are handed out again first, to the same request too: the pool never learns of a
+release (the id stays in the row's table below the window), so the row's table then lists the id
+twice, once released and once live, which spec accepts (docs/semantics.md, "Block ids"). One
+constraint of the pool shapes the model beyond vLLM's: no two tokens of one step may write one slot,
+so two full-cache hits that would recompute into the same shared slot are not admitted in the same step.
 """
 
 from __future__ import annotations
@@ -240,7 +241,7 @@ class ReferenceScheduler:
     def _make_room(self, req: SchedRequest, want: int, step: _Step, finished: list[str]) -> int:
         """Tokens `req` can run now, preempting newer running requests for blocks; 0 if req itself left."""
         while True:
-            fit = self._fit(req, req.num_computed, [len(t) for t in req.blocks], want, exclude=req.pool_tables)
+            fit = self._fit(req, req.num_computed, [len(t) for t in req.blocks], want)
             if fit == want:
                 return want
             if self.running[-1] is not req:
@@ -283,7 +284,7 @@ class ReferenceScheduler:
         revived = [
             sum(1 for b in t if b != NULL_BLOCK_ID and self.allocators[g].is_free(b)) for g, t in enumerate(tables)
         ]
-        n = self._fit(req, computed, [len(t) for t in tables], want, exclude=(), reserved=revived)
+        n = self._fit(req, computed, [len(t) for t in tables], want, reserved=revived)
         if n <= 0:
             return None
         writes: list[list[int]] = []
@@ -326,14 +327,12 @@ class ReferenceScheduler:
         start: int,
         table_lens: list[int],
         want: int,
-        exclude: list[list[int]] | tuple[()],
         reserved: list[int] | None = None,
     ) -> int:
         """Most tokens <= want, from position `start`, whose missing blocks every group can allocate now."""
         fit = want
         for g, group in enumerate(self.groups):
-            avoid = exclude[g] if exclude else ()
-            free = self.allocators[g].free_blocks_outside(avoid) - (reserved[g] if reserved else 0)
+            free = self.allocators[g].num_free - (reserved[g] if reserved else 0)
             fit = min(fit, (table_lens[g] + max(free, 0)) * group.block_size - start)
         return max(fit, 0)
 
@@ -342,7 +341,8 @@ class ReferenceScheduler:
         added = []
         for g, group in enumerate(self.groups):
             need = math.ceil((req.num_computed + n) / group.block_size) - len(req.blocks[g])
-            new = self.allocators[g].allocate(max(need, 0), exclude=set(req.pool_tables[g]))
+            new = self.allocators[g].allocate(max(need, 0))
+            self.stats.window_reuses += len(set(new).intersection(req.pool_tables[g]))  # handed back to its owner
             req.blocks[g] += new
             req.pool_tables[g] += new
             added.append(tuple(new))
