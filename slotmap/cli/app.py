@@ -97,6 +97,36 @@ def explain(
 
 
 @app.command()
+def explore(
+    out: Annotated[
+        Path, typer.Option("--out", "-o", callback=options.suffix("html"), help="write the page here (.html)")
+    ] = Path("explore.html"),
+    seed: Annotated[
+        int | None, typer.Option(min=0, help="a reference-scheduler workload (default: the articles' worked example)")
+    ] = None,
+    requests: Annotated[int, typer.Option(min=1, help="with --seed: requests in the workload")] = 6,
+    spec_tokens: Annotated[
+        int, typer.Option(min=0, help="with --seed: the scheduler drafts up to K tokens per request")
+    ] = 0,
+    step: Annotated[int | None, typer.Option(min=1, help="the step the page opens at (default: the first)")] = None,
+) -> None:
+    """Write one self-contained HTML page that walks a run step by step: pick any token, see its path to its slot."""
+    from dataclasses import replace
+
+    from slotmap.explore import seeded_run, worked_example_run, write_page
+
+    if seed is None and (spec_tokens or requests != 6):
+        raise typer.BadParameter("--requests and --spec-tokens need --seed (the worked example is fixed)")
+    run = worked_example_run() if seed is None else seeded_run(seed, requests, spec_tokens)
+    if step is not None:
+        if step > len(run.steps):
+            raise typer.BadParameter(f"the run has {len(run.steps)} steps, got --step {step}", param_hint="--step")
+        run = replace(run, start_step=step)
+    size = write_page(run, out)
+    Console().print(f"wrote {out}: {len(run.steps)} steps, {size / 1024:.0f} KiB; open it in a browser")
+
+
+@app.command()
 def simulate(
     backend: Backend = "fast",
     requests: Annotated[int, typer.Option(min=1, help="requests in the synthetic workload")] = 200,

@@ -1,0 +1,74 @@
+"""Where a run comes from: the articles' worked example, a seeded reference-scheduler workload, an engine's run.
+
+Each source drives a `Recorder` (spec's pool) and returns the `Run`. The seeded run is the workload of
+`slotmap explain --seed` (same config, workload recipe, knobs and fake sampler), so its step k holds the
+numbers `slotmap explain --seed S --step k` prints; `requests` only changes how many requests arrive.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+import numpy as np
+
+from conformance.examples import worked_example
+from conformance.scheduler import ReferenceScheduler, SchedulerKnobs, make_workload
+from conformance.scheduler.request import Status
+from conformance.shadow import ShadowStep
+from slotmap.explore.record import Recorder, Run
+from slotmap.pictures.steps import SEEDED_CONFIG
+from spec.drafts import pad_accepted
+from spec.types import WorkerConfig
+
+SEEDED_REQUESTS = 6  # `slotmap explain --seed`'s workload
+
+
+def worked_example_run() -> Run:
+    """Step 1 prefills A and B (B samples 777), step 2 is the articles' step: B decodes 1 token, A prefills 8."""
+    ex = worked_example()
+    recorder = Recorder(ex.config)
+    for number, sched in enumerate((ex.step1, ex.step2), start=1):
+        batch = recorder.step(sched, title=f"worked example, step {number}")
+        recorder.sampled(ex.sampled_after_step1(batch.req_ids))
+    return recorder.run("the articles' worked example", start_step=2)
+
+
+def seeded_run(seed: int, requests: int = SEEDED_REQUESTS, spec_tokens: int = 0, max_steps: int | None = None) -> Run:
+    """The reference scheduler's run of seed `seed`'s workload, to its end (or `max_steps`)."""
+    config = SEEDED_CONFIG
+    workload = make_workload(
+        seed, config, num_requests=requests, max_arrival_step=max(3, requests // 2), max_new_tokens=8
+    )
+    knobs = SchedulerKnobs(max_chunk=12, pad_buckets=(8, 16, 24), spec_tokens=spec_tokens)
+    sched = ReferenceScheduler(config, workload, knobs, seed=seed)
+    recorder = Recorder(config)
+    sampler = random.Random(seed)
+    while not sched.done() and (max_steps is None or len(recorder.steps) < max_steps):
+        running = [r.req_id for r in sched.running]
+        out = sched.schedule()
+        preempted = [r for r in running if sched.requests[r].status is Status.PREEMPTED]
+        batch = recorder.step(out, sched.pad_to(out), preempted, title=f"seed {seed}, step {len(recorder.steps) + 1}")
+        tokens = [sampler.randrange(config.vocab_size) for _ in batch.req_ids]
+        taking = set(sched.sampling_req_ids(out))
+        kept = sched.rejection_step(out, {r: t for r, t in zip(batch.req_ids, tokens, strict=True) if r in taking})
+        if out.scheduled_spec_decode_tokens:
+            recorder.sampled(pad_accepted([kept.get(r, (t,)) for r, t in zip(batch.req_ids, tokens, strict=True)]))
+        else:
+            recorder.sampled(np.array(tokens, np.int64))
+        sched.update(out, kept)
+    drafts = f", up to {spec_tokens} drafts per request" if spec_tokens else ""
+    return recorder.run(f"seed {seed}: {requests} requests through the reference scheduler{drafts}")
+
+
+def shadow_run(config: WorkerConfig, steps: Sequence[ShadowStep], title: str = "an engine's run") -> Run:
+    """An engine's steps as the shadow checker recorded them (`checker.config`, `checker.steps`).
+
+    spec runs each recorded scheduler output again; the checker has already compared the engine's
+    arrays with spec's on every one of these steps, so the page shows the values both agreed on.
+    """
+    recorder = Recorder(config)
+    for number, step in enumerate(steps, start=1):
+        recorder.step(step.sched, title=f"{title}, step {number}")
+        recorder.sampled(dict(step.sampled))
+    return recorder.run(title)
