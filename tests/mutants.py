@@ -1,0 +1,101 @@
+"""Planted bugs for scripts/mutation-score: one or more per rule class, each a real bug class of engines.
+
+Each mutant is an exact text replacement in one file of the product (or of the shadow checker) and the
+test files expected to notice it. `tests/test_mutants.py` keeps this list honest in CI (every `old` text
+still occurs exactly once, every test file exists), so the list cannot rot silently while the code moves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    rule: str  # the rule of spec it breaks (docs/semantics.md, conformance/rules.py)
+    path: str  # relative to the repository root
+    old: str  # occurs exactly once in `path`
+    new: str
+    tests: tuple[str, ...]  # pytest arguments: the test files expected to fail
+
+
+BOUNDARIES = "conformance/test_boundaries.py"
+PIPELINE = "conformance/test_pipeline.py"
+INVALID = "conformance/test_invalid.py"
+TARGETED = "conformance/test_targeted.py"
+
+MUTANTS: tuple[Mutant, ...] = (
+    Mutant(
+        "sampled-negative-id-accepted",
+        "record_sampled: every taken id in the vocabulary",
+        "fast/pool.py",
+        "if sampled[b] < 0 or sampled[b] >= vocab or known >= max_len:",
+        "if sampled[b] >= vocab or known >= max_len:",
+        (BOUNDARIES,),
+    ),
+    Mutant(
+        "released-tails-not-refreshed-on-append",
+        "12 NullBlockError: nothing written through the null block",
+        "fast/pool.py",
+        "rows = np.union1d(plan.tables[g].rows, plan.freed_rows)",
+        "rows = np.union1d(plan.tables[g].rows[plan.tables[g].replaced], plan.freed_rows)",
+        (BOUNDARIES,),
+    ),
+    Mutant(
+        "stale-batch-rows-not-compared",
+        "record_sampled: only the batch of the last prepare",
+        "fast/pool.py",
+        "and np.array_equal(_host_array(batch.index_mapping), self._prepared_rows_np)\n",
+        "",
+        (BOUNDARIES,),
+    ),
+    Mutant(
+        "drafts-after-previous-owner",
+        "drafts: a new request's drafts follow its prompt",
+        "fast/writes.py",
+        "known[i] = new_lengths[row]",
+        "pass",
+        (BOUNDARIES,),
+    ),
+    Mutant(
+        "spec-window-reuse-refused",
+        "9 BlockIdError: ids distinct among live entries only",
+        "spec/validate.py",
+        "live = table[live_from:]",
+        "live = table",
+        (PIPELINE,),
+    ),
+    Mutant(
+        "fast-released-entries-not-rechecked",
+        "9 BlockIdError: a released duplicate read again is refused",
+        "fast/validate.py",
+        "if window > 0 and (released_tails.shape[0] == 0 or released_tails[row] >= lo):",
+        "if False:",
+        (PIPELINE,),
+    ),
+    Mutant(
+        "fast-shared-block-slots-unchecked",
+        "13 DuplicateSlotError: no two tokens of a step write one slot",
+        "fast/validate.py",
+        "if _has_repeats(written):  # a block written by two requests: plan_step checks per slot",
+        "if False:",
+        (TARGETED, INVALID),
+    ),
+    Mutant(
+        "fast-missing-block-off-by-one",
+        "11 MissingBlockError: a block for every scheduled token",
+        "fast/validate.py",
+        "if count + added[i] > width or last_block >= count + added[i]:",
+        "if count + added[i] > width or last_block > count + added[i]:",
+        (INVALID,),
+    ),
+    Mutant(
+        "fast-unknown-token-off-by-one",
+        "8 UnknownTokenError: every input token known",
+        "fast/validate.py",
+        "if num_computed[i] < 0 or last[i] >= num_tokens[rows[i]]:",
+        "if num_computed[i] < 0 or last[i] > num_tokens[rows[i]]:",
+        (INVALID,),
+    ),
+)
