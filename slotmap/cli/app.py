@@ -109,6 +109,10 @@ def explore(
         int, typer.Option(min=0, help="with --seed: the scheduler drafts up to K tokens per request")
     ] = 0,
     step: Annotated[int | None, typer.Option(min=1, help="the step the page opens at (default: the first)")] = None,
+    screenshot: Annotated[
+        Path | None,
+        typer.Option(callback=options.suffix("png"), help="also save a picture of the page as it opens (headless Chromium)"),
+    ] = None,
 ) -> None:
     """Write one self-contained HTML page that walks a run step by step: pick any token, see its path to its slot."""
     from dataclasses import replace
@@ -122,8 +126,21 @@ def explore(
         if step > len(run.steps):
             raise typer.BadParameter(f"the run has {len(run.steps)} steps, got --step {step}", param_hint="--step")
         run = replace(run, start_step=step)
+    if screenshot is not None:
+        from slotmap.explore.browser import BrowserUnavailableError, find_browser
+
+        try:
+            find_browser()
+        except BrowserUnavailableError as e:
+            raise typer.BadParameter(str(e), param_hint="--screenshot") from e
     size = write_page(run, out)
-    Console().print(f"wrote {out}: {len(run.steps)} steps, {size / 1024:.0f} KiB; open it in a browser")
+    console = Console()
+    console.print(f"wrote {out}: {len(run.steps)} steps, {size / 1024:.0f} KiB; open it in a browser")
+    if screenshot is not None:
+        from slotmap.explore.browser import screenshot as take_screenshot
+
+        take_screenshot(out, screenshot)
+        console.print(f"wrote {screenshot}")
 
 
 @app.command()

@@ -151,11 +151,14 @@
   }
 
   function blockText(kind, holders, released, stale) {
+    const names = (entries) => entries.map(([r, j]) => `${req(r)} #${j}`).join(", ");
+    // a block a window released may be handed out again: the stale entry stays in the old table
+    const reused = released.length && holders.length ? `; released at ${names(released)}, reused` : "";
     if (kind === "null") return "null";
-    if (kind === "shared") return `shared ×${holders.length}: ` + holders.map(([r, j]) => `${req(r)} #${j}`).join(", ");
-    if (kind === "held") return `${req(holders[0][0])} #${holders[0][1]}`;
-    if (kind === "released") return "released: " + released.map(([r, j]) => `${req(r)} #${j}`).join(", ");
-    return "stale: " + stale.map(([r, j]) => `${req(r)} #${j}`).join(", ");
+    if (kind === "shared") return `shared ×${holders.length}: ${names(holders)}${reused}`;
+    if (kind === "held") return `${names(holders)}${reused}`;
+    if (kind === "released") return `released: ${names(released)}`;
+    return `stale: ${names(stale)}`;
   }
 
   function renderKV(s) {
