@@ -8,7 +8,8 @@ numbers `slotmap explain --seed S --step k` prints; `requests` only changes how 
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -19,7 +20,7 @@ from conformance.shadow import ShadowStep
 from slotmap.explore.record import Recorder, Run
 from slotmap.pictures.steps import SEEDED_CONFIG
 from spec.drafts import pad_accepted
-from spec.types import WorkerConfig
+from spec.types import PLACEHOLDER_TOKEN_ID, SchedulerOutput, WorkerConfig
 
 SEEDED_REQUESTS = 6  # `slotmap explain --seed`'s workload
 
@@ -65,10 +66,29 @@ def shadow_run(config: WorkerConfig, steps: Sequence[ShadowStep], title: str = "
     """An engine's steps as the shadow checker recorded them (`checker.config`, `checker.steps`).
 
     spec runs each recorded scheduler output again; the checker has already compared the engine's
-    arrays with spec's on every one of these steps, so the page shows the values both agreed on.
+    arrays with spec's on every one of these steps, so the page shows the values both agreed on. A
+    step's sampled tokens are req_id -> token(s), or rows in the engine's batch order (`step.req_ids`)
+    padded with PLACEHOLDER_TOKEN_ID. The outputs must be slotmap's SchedulerOutput: a step recorded in
+    vLLM's form is refused (convert it with spec.interop first, or record with a `Recorder` directly).
     """
     recorder = Recorder(config)
     for number, step in enumerate(steps, start=1):
+        if not isinstance(step.sched, SchedulerOutput):
+            kind = type(step.sched).__name__
+            raise ValueError(f"shadow step {number - 1}: sched is a {kind}, not slotmap's SchedulerOutput")
         recorder.step(step.sched, title=f"{title}, step {number}")
-        recorder.sampled(dict(step.sampled))
+        recorder.sampled(_sampled_by_request(step))
     return recorder.run(title)
+
+
+def _sampled_by_request(step: ShadowStep) -> dict[str, tuple[int, ...]]:
+    sampled: Any = step.sampled
+    if sampled is None:
+        return {}
+    if isinstance(sampled, Mapping):
+        return {r: (int(t),) if np.ndim(t) == 0 else tuple(int(x) for x in t) for r, t in sampled.items()}
+    if not step.req_ids:
+        return {}
+    rows = np.asarray(sampled).reshape(len(step.req_ids), -1)  # [num_reqs, width] in the engine's order
+    kept = (row[row != PLACEHOLDER_TOKEN_ID] for row in rows)
+    return {r: tuple(int(x) for x in tokens) for r, tokens in zip(step.req_ids, kept, strict=True)}
