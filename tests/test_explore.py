@@ -378,3 +378,16 @@ def test_the_page_is_usable_from_the_keyboard(browser: Any, tmp_path: Path) -> N
     _check_token(browser.execute_script(READ_HIGHLIGHTS), _expected_path(batch, run.config.kv_groups, last), last)
     browser.find_element("id", "step-slider").send_keys(Keys.ARROW_RIGHT)
     assert browser.execute_script(READ_HIGHLIGHTS)["step"] == f"step 3 of {len(run.steps)}"
+
+
+def test_the_command_takes_a_screenshot_of_the_whole_page(browser: Any, tmp_path: Path) -> None:
+    png = tmp_path / "page.png"
+    result = CliRunner().invoke(app, ["explore", "-o", str(tmp_path / "page.html"), "--screenshot", str(png)])
+    assert result.exit_code == 0, result.output
+    from PIL import Image
+
+    with Image.open(png) as image:
+        width, height = image.size
+    browser.get((tmp_path / "page.html").resolve().as_uri())
+    page_height = browser.execute_script("return document.documentElement.scrollHeight")
+    assert width == 1500 and height >= page_height  # the whole page, not the first screenful

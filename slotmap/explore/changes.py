@@ -78,7 +78,7 @@ def step_changes(step: StepRecord, past_holders: Mapping[int, str]) -> list[Chan
         k = 0 if num_drafts is None else int(num_drafts[b])
         if k:
             accepted = len(appended) - 1
-            text = f"{req_id}: {k} drafts, {accepted} accepted, {k - accepted} rolled back"
+            text = f"{req_id}: {k} draft{'s' if k > 1 else ''}, {accepted} accepted, {k - accepted} rolled back"
             changes.append(Change("drafts", req_id, text))
         if appended:
             changes.append(Change("sampled", req_id, f"{req_id} sampled {appended}"))

@@ -38,6 +38,7 @@ from spec.types import CachedRequest
 ROW_STATUS = {"s": "scheduled", "i": "not scheduled", "p": "preempted"}
 BLOCK_KIND = {"n": NULL, "h": HELD, "s": SHARED, "r": RELEASED, "x": STALE}
 _KIND_CODE = {kind: code for code, kind in BLOCK_KIND.items()}
+COLOURS = tuple(c for c in PALETTE if c != "#7f7f7f")  # explain's palette, less the grey that reads as padding
 
 
 def export_run(run: Run) -> dict[str, Any]:
@@ -69,7 +70,7 @@ def export_run(run: Run) -> dict[str, Any]:
             ],
         },
         "reqs": list(reqs),
-        "colours": [PALETTE[i % len(PALETTE)] for i in range(len(reqs))],
+        "colours": [COLOURS[i % len(COLOURS)] for i in range(len(reqs))],
         "row_status": ROW_STATUS,
         "block_kind": BLOCK_KIND,
         "steps": steps,

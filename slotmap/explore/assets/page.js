@@ -87,7 +87,7 @@
       }), ids.length === 0 ? "(empty)" : null));
       const statusText = DATA.row_status[status];
       table.append(el("tr", { class: `state-row status-${status}`, "data-row": row, "data-req": req(r) },
-        el("td", { text: row }), el("td", { class: "req" }, reqLabel(r)), el("td", { text: `${computed} / ${known}` }),
+        el("td", { text: row }), el("td", { class: "req name" }, reqLabel(r)), el("td", { text: `${computed} / ${known}` }),
         el("td", { text: batchIdx < 0 ? statusText : batchIdx, title: statusText }), ...cells));
     }
     if (s.rows.length === 0) table.append(el("tr", {}, el("td", { text: "(the pool is empty)" })));
@@ -101,7 +101,7 @@
       ...(drafts ? ["num_draft_tokens"] : [])].map((h) => el("th", { text: h }))));
     s.batch.forEach(([r, rowIdx, n, start, end, seqLen, k], b) => {
       table.append(el("tr", { class: "batch-row", "data-batch": b, "data-row": rowIdx },
-        el("td", { text: b }), el("td", { class: "req" }, reqLabel(r)), el("td", { text: rowIdx }), el("td", { text: n }),
+        el("td", { text: b }), el("td", { class: "req name" }, reqLabel(r)), el("td", { text: rowIdx }), el("td", { text: n }),
         el("td", { text: `[${start}, ${end})` }), el("td", { text: seqLen }), drafts ? el("td", { text: k }) : null));
     });
     if (s.batch.length === 0) table.append(el("tr", {}, el("td", { text: "(nothing scheduled this step)" })));
@@ -244,7 +244,7 @@
       el("li", {}, "batch_idx ", v("batch_idx", b), `: index_mapping[${b}] = ${rowIdx}`),
       el("li", {}, "flat index ", v("flat", t), `: query_start_loc[${b}] = ${start} ≤ ${t} < ${end} = query_start_loc[${b + 1}]`),
       el("li", {}, "position ", v("position", tok.position[t]), ` = num_computed_tokens ${computed} + (${t} − ${start}); input id `, v("input_id", tok.input_id[t])),
-      tok.logits_row && tok.logits_row[t] >= 0 ? el("li", {}, `logits row ${tok.logits_row[t]} (logits_indices): ${tok.verifies[t]}`) : null));
+      tok.logits_row && tok.logits_row[t] >= 0 ? el("li", {}, `logits row ${tok.logits_row[t]} (logits_indices): its logits decide ${tok.verifies[t]}`) : null));
     tok.groups.forEach((grp, g) => {
       const bs = GROUPS[g].block_size;
       const logical = grp.logical[t], offset = grp.offset[t], physical = grp.physical[t], slot = grp.slot[t];
