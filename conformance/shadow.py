@@ -3,225 +3,388 @@
     checker = ShadowChecker(config)                       # the engine's WorkerConfig-equivalent
     # in the engine's step, after its model runner built its inputs:
     checker.check(scheduler_output, {"input_ids": ..., "positions": ..., "slot_mapping": ...}, req_ids)
-    # after sampling (req_id -> token; the rows that sampled):
+    # after sampling (req_id -> token or accepted tokens, or the sampler's [num_reqs, width] array):
     checker.record_sampled(sampled)
 
-`scheduler_output` is slotmap's `SchedulerOutput` or a vLLM-shaped one (converted by
-`spec.interop.from_vllm`, which also checks a resumed request's `all_token_ids` against the tokens
-spec holds). `req_ids` is the engine's own batch order (batch_idx -> req_id), and every array is in the
-engine's conventions: its order, its padding, its table width. Arrays may be NumPy, torch (any
-device) or anything `np.asarray` reads. Fields (vLLM's names; `[g]` for KV cache group g, bare for 0):
-`query_start_loc`, `num_scheduled_tokens`, `positions`, `input_ids`, `seq_lens`, `logits_indices`,
-`block_table[g]`, `slot_mapping[g]`. Row numbers (`index_mapping`) are the engine's own business and
-are not compared.
+`scheduler_output` is slotmap's `SchedulerOutput` or a vLLM-shaped one (copied by `spec.interop.copy_vllm`,
+converted by `spec.interop.from_vllm`, which checks it against the tokens spec holds). `req_ids` is the
+engine's own batch order (batch_idx -> req_id), and every array is in the engine's conventions: its
+order, its padding, its table width. Arrays may be NumPy, torch (any device) or anything `np.asarray`
+reads; each is copied, since an engine reuses its buffers. Fields (vLLM's names; `[g]` for KV cache
+group g, bare for 0): `query_start_loc`, `num_scheduled_tokens`, `positions`, `input_ids`, `seq_lens`,
+`logits_indices` (num_reqs + num_drafts entries in a step with drafts, as vLLM's), `block_table[g]`,
+`slot_mapping[g]`, and vLLM's SpecDecodeMetadata: `draft_token_ids`, `num_draft_tokens`,
+`cu_num_draft_tokens`, `cu_num_sampled_tokens`, `target_logits_indices`, `bonus_logits_indices`.
+Row numbers (`index_mapping`) are the engine's own business and are not compared.
 
-Comparison is per request: request r's tokens are found through the engine's query_start_loc (or,
-without one, laid out in the engine's order) and compared with spec's tokens of r; `logits_indices`
-relative to the request's first token; `block_table` over the entries r's table holds (entries past
-them are undefined). Undefined by convention, so ignored: positions and input ids of padding tokens,
-table entries past a request's blocks, table rows past the batch. Defined and checked: padding slots
-are PAD_SLOT_ID (a padded token must not write KV).
+Comparison is per request (conformance/shadow_compare.py). Undefined by convention, so ignored:
+positions and input ids of padding tokens, table entries past a request's blocks, table rows past the
+batch. Defined and checked: padding slots are PAD_SLOT_ID (a padded token must not write KV).
+`record_sampled` takes 1 .. k + 1 accepted tokens per request; a row that samples but has none is refused.
 
-The first divergence raises `ShadowMismatchError` naming the step, request and field, after writing a
-runnable reproduction script (`.repro_path`): it replays every step so far through a fresh checker
-and fails the same way. The checker keeps a NumPy copy of every step's arrays for that script.
+Two kinds of report, each with the step, request and field, and a runnable reproduction (`.repro_path`:
+`python <path>` from the repository root replays every step so far through a fresh checker and raises
+the same report at the same step):
+- `ShadowMismatchError`: the engine's array differs from spec's. `every_difference=True` lists every
+  divergence of the step (`.differences`, (req_id, field, detail) each), not only the first.
+- `ShadowRefusalError` (a ScheduleError): spec refused the step's scheduler output or its sampled tokens.
+  That says the two disagree on what is valid, not who is wrong.
+`on_mismatch` / `on_refusal` = "raise" (default) raises the report; "report" appends it to `.reports`
+(and returns it from the call) and goes on. Every report, raised or not, is also in `.reports`.
+
+After a refusal, with "raise": spec's pool is as before the step, the step is not recorded (its script
+holds it), and the caller may send the step again or go on at its own risk. With "report" the checker
+resynchronises by dropping requests: the refused request (the one the error names; every request the
+step names if the error names none) is taken out of the step and the rest is applied and compared.
+spec no longer follows a dropped request: if spec holds its row, the row is freed (as if it finished);
+later steps leave it out of the scheduler output, the comparison and the sampled tokens, until the
+engine finishes it (`finished_req_ids`); `.lost_req_ids` lists them. A refused `record_sampled` drops
+the refused request the same way (spec records a stand-in token for it so the others can be recorded).
+
+Reproductions go to `repro_dir` if the caller names one, else to a private directory made for this
+checker by `tempfile.mkdtemp` (mode 0700); each script is a new file (never an existing name or a
+symlink: conformance/private_files.py), and the path in the report is the one written. At most
+`max_reproductions` scripts per checker; later reports have `repro_path` None.
+
+The checker's own cost per step is in proportion to the step (its requests and tokens), not to the
+tokens spec holds: it reads spec's pool request by request (conformance/shadow_inputs.py) and keeps the
+step's arrays without the padding that the comparison ignores.
 """
 
 from __future__ import annotations
 
-import re
-import tempfile
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+import copy
+from collections.abc import Callable, Mapping, Sequence
+from itertools import chain, islice
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 import spec
-from spec.interop.vllm import from_vllm
-from spec.types import PAD_SLOT_ID, BatchInputs, SchedulerOutput, WorkerConfig
+from conformance.private_files import create_unique, private_dir
+from conformance.shadow_compare import Difference, EngineStep, differences, vllm_claims
+from conformance.shadow_inputs import (
+    DRAFT_FIELDS,
+    REQUEST_FIELDS,
+    TOKEN_FIELDS,
+    HeldTokens,
+    PoolView,
+    Record,
+    ShadowStep,
+    UnreadableOutput,
+    compact,
+    copy_arrays,
+    engine_rows,
+    finishing,
+    record_facts,
+    referenced,
+    without,
+)
+from conformance.shadow_repro import reproduction
+from spec.errors import ScheduleError
+from spec.interop.vllm import VllmSchedulerOutput, copy_vllm, from_vllm
+from spec.types import PLACEHOLDER_TOKEN_ID, BatchInputs, SchedulerOutput, WorkerConfig
 
-TOKEN_FIELDS = ("positions", "input_ids")  # per flat token; group fields are slot_mapping[g]
-REQUEST_FIELDS = ("num_scheduled_tokens", "seq_lens", "logits_indices")  # per batch row
-_GROUPED = re.compile(r"^(block_table|slot_mapping)(?:\[(\d+)\])?$")
+__all__ = [
+    "DRAFT_FIELDS",
+    "REQUEST_FIELDS",
+    "TOKEN_FIELDS",
+    "ShadowChecker",
+    "ShadowMismatchError",
+    "ShadowRefusalError",
+    "ShadowReport",
+    "ShadowStep",
+    "replay",
+    "reproduction",
+]
+MODES = ("raise", "report")
+MAX_REPRODUCTIONS = 8  # scripts per checker: each holds every step so far
+_NEVER = (-1, -1)  # a report number no step has
+
+
+def _who(req_id: str | None) -> str:
+    return f"request {req_id!r}" if req_id is not None else "batch"
+
+
+def _where(repro_path: Path | None) -> str:
+    return f"\nreproduction: python {repro_path}" if repro_path is not None else ""
 
 
 class ShadowMismatchError(AssertionError):
     """The engine's array differs from spec's for one request (req_id None: the batch as a whole)."""
 
-    def __init__(self, step: int, req_id: str | None, field: str, detail: str, repro_path: Path | None) -> None:
+    def __init__(
+        self,
+        step: int,
+        req_id: str | None,
+        field: str,
+        detail: str,
+        repro_path: Path | None,
+        differences: Sequence[Difference] = (),
+    ) -> None:
         self.step, self.req_id, self.field, self.detail, self.repro_path = step, req_id, field, detail, repro_path
-        who = f"request {req_id!r}" if req_id is not None else "batch"
-        where = f"\nreproduction: python {repro_path}" if repro_path is not None else ""
-        super().__init__(f"step {step}: {who}: {field}: {detail}{where}")
+        self.differences: tuple[Difference, ...] = tuple(differences) or ((req_id, field, detail),)
+        more = "".join(f"\n  and {_who(r)}: {f}: {d}" for r, f, d in self.differences[1:])
+        super().__init__(f"step {step}: {_who(req_id)}: {field}: {detail}{more}{_where(repro_path)}")
 
 
-@dataclass(frozen=True)
-class ShadowStep:
-    """One engine step as the reproduction replays it."""
+class ShadowRefusalError(ScheduleError):
+    """spec refused the engine's step (its scheduler output, or its sampled tokens): refused by spec."""
 
-    sched: SchedulerOutput  # slotmap's form (converted if the engine sent a vLLM-shaped one)
-    req_ids: tuple[str, ...]  # the engine's batch_idx -> req_id
-    arrays: dict[str, np.ndarray]  # the engine's fields, as NumPy
-    sampled: dict[str, int]  # req_id -> sampled token (filled by record_sampled)
+    def __init__(
+        self,
+        step: int,
+        req_id: str | None,
+        field: str,
+        detail: str,
+        repro_path: Path | None,
+        *,
+        error: str = "ScheduleError",
+        lost: frozenset[str] = frozenset(),
+        refusals: Sequence[Difference] = (),
+    ) -> None:
+        self.req_id, self.field, self.detail = req_id, field, detail
+        self.step, self.repro_path, self.error, self.lost = step, repro_path, error, lost
+        self.refusals: tuple[Difference, ...] = tuple(refusals) or ((req_id, field, detail),)
+        who = f"request {req_id!r}" if req_id is not None else "scheduler output"
+        dropped = (
+            f"\nspec no longer follows {sorted(lost)} (not compared until the engine finishes them)" if lost else ""
+        )
+        ValueError.__init__(self, f"step {step}: refused by spec: {who}: {field}: {detail} ({error}){dropped}"
+                                  f"{_where(repro_path)}")  # fmt: skip
+
+
+ShadowReport = ShadowMismatchError | ShadowRefusalError
 
 
 class ShadowChecker:
-    def __init__(self, config: WorkerConfig, repro_dir: str | Path | None = None, write_repro: bool = True) -> None:
+    def __init__(
+        self,
+        config: WorkerConfig,
+        repro_dir: str | Path | None = None,
+        write_repro: bool = True,
+        *,
+        on_refusal: str = "raise",
+        on_mismatch: str = "raise",
+        every_difference: bool = False,
+        max_reproductions: int = MAX_REPRODUCTIONS,
+    ) -> None:
+        for name, mode in (("on_refusal", on_refusal), ("on_mismatch", on_mismatch)):
+            if mode not in MODES:
+                raise ValueError(f"{name}: one of {MODES}, got {mode!r}")
         self.config = config
         self.pool = spec.RequestStatePool(config)
+        self.view = PoolView(self.pool)
         self.steps: list[ShadowStep] = []
-        self.repro_dir = Path(repro_dir) if repro_dir is not None else Path(tempfile.gettempdir()) / "slotmap-shadow"
-        self.write_repro = write_repro
+        self.reports: list[ShadowReport] = []
+        self.write_repro, self.max_reproductions = write_repro, max_reproductions
+        self.on_refusal, self.on_mismatch, self.every_difference = on_refusal, on_mismatch, every_difference
+        self._named_dir = Path(repro_dir) if repro_dir is not None else None
+        self._private_dir: Path | None = None  # made at the first script
+        self._written = 0
+        self._lost: set[str] = set()  # requests spec no longer follows (module docstring)
+        self._prompt_lens: dict[str, int] = {}  # req_id -> vLLM's prompt length (for num_output_tokens)
         self._batch: BatchInputs | None = None
+        self._step_reports = 0  # reports of the step being checked: a script names its report by (step, this)
+        self._stop_at: tuple[int, int] | None = _NEVER  # replay's: raise at this report (None: at any)
 
     @property
     def step_index(self) -> int:
         return len(self.steps)
 
-    def check(self, sched: object, arrays: Mapping[str, Any], req_ids: Sequence[str]) -> None:
-        """Run spec on `sched` and compare the engine's arrays with it, request by request."""
+    @property
+    def lost_req_ids(self) -> frozenset[str]:
+        return frozenset(self._lost)
+
+    @property
+    def repro_dir(self) -> Path | None:
+        """Where this checker's scripts go: the caller's directory, or its private one once it exists."""
+        return self._named_dir if self._named_dir is not None else self._private_dir
+
+    # ---- the two calls of a step ---------------------------------------------------------------
+    def check(self, sched: object, arrays: Mapping[str, Any], req_ids: Sequence[str]) -> list[ShadowReport]:
+        """Run spec on `sched` and compare the engine's arrays with it, request by request; returns the reports."""
         if self._batch is not None:
             raise RuntimeError("record_sampled() the previous step before checking the next one")
-        if not isinstance(sched, SchedulerOutput):
-            known = {row.req_id: row.token_ids for row in self.pool.snapshot()}
-            sched = from_vllm(sched, known_token_ids=known)
-        numpy_arrays = {name: _to_numpy(value) for name, value in arrays.items()}
-        for name in numpy_arrays:
-            if name not in (*TOKEN_FIELDS, *REQUEST_FIELDS, "query_start_loc") and not _GROUPED.match(name):
-                raise ValueError(f"arrays: unknown field {name!r} (see conformance.shadow's docstring)")
-        step = ShadowStep(sched, tuple(req_ids), numpy_arrays, {})
-        self.pool.apply(sched)  # a ScheduleError here is the scheduler's fault, not the model runner's
+        step = ShadowStep(None, tuple(req_ids), copy_arrays(arrays))  # unknown fields: ValueError, nothing kept
+        first, self._step_reports = len(self.reports), 0
+        unreadable = None
+        try:
+            step.sched = copy.deepcopy(sched) if isinstance(sched, SchedulerOutput) else copy_vllm(sched)
+        except ScheduleError as error:  # a VllmConversionError: a field missing or malformed
+            unreadable = error
+            step.sched = UnreadableOutput(error.req_id, error.field, error.detail)
+        try:
+            applied, refusals, dropped = self._apply(step, unreadable)
+        except ScheduleError as error:  # on_refusal="raise": the pool is as before, the step is not recorded
+            raise self._report(self._refusal([error], frozenset(), len(self.steps)), [*self.steps, step]) from error
         self.steps.append(step)
-        self._batch = self.pool.prepare(sched)
-        problem = _first_difference(self._batch, self.pool.snapshot(), step, len(self.config.kv_groups))
-        if problem is not None:
-            req_id, field, detail = problem
-            path = self._write_reproduction() if self.write_repro else None
-            raise ShadowMismatchError(len(self.steps) - 1, req_id, field, detail, path)
+        batch = self._batch = self.pool.prepare(applied)
+        skipped = frozenset(r for r in step.req_ids if r in self._lost or r in dropped)
+        self._track(step.sched, applied, dropped)
+        num_scheduled, num_drafts, _ = record_facts(step.sched)
+        engine = EngineStep(step.arrays, step.req_ids, num_scheduled, num_drafts, skipped)
+        qsl = engine.query_start_loc()
+        groups = range(len(self.config.kv_groups))
+        width = max((self.view.num_blocks(r, g) for r in batch.req_ids for g in groups), default=0)
+        step.arrays = compact(
+            step.arrays, None if qsl is None else int(qsl[len(step.req_ids)]), len(step.req_ids), width
+        )
+        engine = EngineStep(step.arrays, step.req_ids, num_scheduled, num_drafts, skipped)
+        if refusals:
+            self._report(self._refusal(refusals, dropped, len(self.steps) - 1), self.steps)
+        found = differences(batch, engine, self.view.num_blocks, len(self.config.kv_groups))
+        if isinstance(step.sched, VllmSchedulerOutput):
+            tables = [np.asarray(t) for t in batch.block_tables]
+            found = chain(found, vllm_claims(step.sched, batch, self.config, lambda b, g: tables[g][b]))
+        picked = list(found) if self.every_difference else list(islice(found, 1))
+        if picked:
+            req_id, field, detail = picked[0]
+            n = len(self.steps) - 1
+            report = self._report(lambda path: ShadowMismatchError(n, req_id, field, detail, path, picked), self.steps)
+            if self.on_mismatch == "raise":
+                raise report
+        return self.reports[first:]
 
-    def record_sampled(self, sampled: Mapping[str, int]) -> None:
-        """The engine's sampled tokens (req_id -> token); every request that reached its last token needs one."""
+    def record_sampled(self, sampled: object) -> list[ShadowReport]:
+        """The engine's accepted tokens: req_id -> token(s), or rows in its batch order (shadow_inputs.engine_rows)."""
         batch = self._batch
         if batch is None:
             raise RuntimeError("check() a step before recording its samples")
-        held = {row.req_id: len(row.token_ids) for row in self.pool.snapshot()}
-        tokens = []
-        for req_id, seq_len in zip(batch.req_ids, np.asarray(batch.seq_lens).tolist(), strict=True):
-            if seq_len == held[req_id] and req_id not in sampled:
-                raise ValueError(f"sampled: request {req_id!r} reached its last token but has no sampled token")
-            tokens.append(int(sampled.get(req_id, 0)))  # rows mid-prefill discard theirs
-        self.pool.record_sampled(batch, np.array(tokens, np.int64))
-        self.steps[-1].sampled.update({r: int(t) for r, t in sampled.items()})
-        self._batch = None
+        step = self.steps[-1]
+        rows = engine_rows(sampled, step.req_ids)  # misuse raises ValueError here, with nothing changed
+        step.sampled = rows
+        first, self._batch = len(self.reports), None
+        index = {r: e for e, r in enumerate(step.req_ids)}
+        spec_rows = rows[[index[r] for r in batch.req_ids]] if batch.num_reqs else np.zeros((0, 1), np.int64)
+        refusals: list[ScheduleError] = []
+        dropped: set[str] = set()
+        while True:
+            try:
+                self.pool.record_sampled(batch, spec_rows)
+                break
+            except ScheduleError as error:
+                refusals.append(error)
+                if self.on_refusal == "raise":  # the pool is as before: none of the step's tokens recorded
+                    raise self._report(self._refusal(refusals, frozenset(), len(self.steps) - 1), self.steps) from error
+                if error.req_id not in batch.req_ids or error.req_id in dropped:
+                    dropped.update(batch.req_ids)  # nothing recorded: spec follows none of the batch
+                    break
+                dropped.add(error.req_id)  # a stand-in token lets the others be recorded; its row is freed next step
+                b = batch.req_ids.index(error.req_id)
+                spec_rows = spec_rows.copy()
+                spec_rows[b] = PLACEHOLDER_TOKEN_ID
+                spec_rows[b, 0] = 0
+        self._lost |= dropped
+        if refusals:
+            self._report(self._refusal(refusals, frozenset(dropped), len(self.steps) - 1), self.steps)
+        return self.reports[first:]
 
-    def _write_reproduction(self) -> Path:
-        self.repro_dir.mkdir(parents=True, exist_ok=True)
-        path = self.repro_dir / f"shadow_repro_step{len(self.steps) - 1}.py"
-        path.write_text(reproduction(self.config, self.steps))
-        return path
+    # ---- inside a step -------------------------------------------------------------------------
+    def _apply(
+        self, step: ShadowStep, unreadable: ScheduleError | None
+    ) -> tuple[SchedulerOutput, list[ScheduleError], frozenset[str]]:
+        """Apply the step; with on_refusal="report", without the requests spec refuses (module docstring)."""
+        refusals: list[ScheduleError] = []
+        dropped: set[str] = set()
+        names = referenced(step.sched, step.req_ids)
+        finished = set(record_facts(step.sched)[2])
+        last_resort = False
+        while True:
+            lost = self._lost | dropped
+            try:
+                if unreadable is not None:
+                    raise unreadable
+                if last_resort:
+                    sched = finishing(lost, HeldTokens(self.view))
+                else:
+                    sched = without(self._convert(step.sched, lost), lost, HeldTokens(self.view))
+                self.pool.apply(sched)
+                return sched, refusals, frozenset(dropped)
+            except ScheduleError as error:
+                if last_resort:
+                    raise RuntimeError(f"spec refused freeing the rows of {sorted(lost)}") from error
+                refusals.append(error)
+                if self.on_refusal == "raise":
+                    raise
+                unreadable = None
+                if error.req_id in names | finished and error.req_id not in lost:
+                    dropped.add(error.req_id)
+                else:  # the error names no request of the step: spec follows none of them
+                    dropped |= names
+                    last_resort = True
+
+    def _convert(self, record: Record | None, lost: set[str]) -> SchedulerOutput:
+        if isinstance(record, SchedulerOutput):
+            return record
+        return from_vllm(record, HeldTokens(self.view), num_prompt_tokens=self._prompt_lens, skip=lost)
+
+    def _track(self, record: Record | None, applied: SchedulerOutput, dropped: frozenset[str]) -> None:
+        """Requests spec stops or starts following, and vLLM's prompt lengths, after `applied`."""
+        self._lost = (self._lost | dropped) - record_facts(record)[2]
+        for req_id in applied.finished_req_ids:
+            self._prompt_lens.pop(req_id, None)
+        if isinstance(record, VllmSchedulerOutput):
+            prompts = {r.req_id: len(r.prompt_token_ids or ()) for r in record.scheduled_new_reqs}
+            for req in applied.new_requests:
+                self._prompt_lens[req.req_id] = prompts[req.req_id]
+
+    @staticmethod
+    def _refusal(
+        refusals: list[ScheduleError], lost: frozenset[str], step: int
+    ) -> Callable[[Path | None], ShadowReport]:
+        e = refusals[0]
+        listed = [(r.req_id, r.field, r.detail) for r in refusals]
+        return lambda path: ShadowRefusalError(step, e.req_id, e.field, e.detail, path, error=type(e).__name__,
+                                               lost=lost, refusals=listed)  # fmt: skip
+
+    def _report(self, make: Callable[[Path | None], ShadowReport], steps: Sequence[ShadowStep]) -> ShadowReport:
+        """A report of the last of `steps`, kept in .reports, with its script (the caller raises it or not)."""
+        target = (len(steps) - 1, self._step_reports)
+        self._step_reports += 1
+        path = None
+        if self.write_repro and self._written < self.max_reproductions:
+            path = self._write(steps, target)
+        report = make(path)
+        self.reports.append(report)
+        if self._stop_at is None or self._stop_at == target:  # replay's: the report it was asked for
+            raise report
+        return report
+
+    def _write(self, steps: Sequence[ShadowStep], target: tuple[int, int]) -> Path:
+        folder = self._named_dir
+        if folder is None:
+            folder = self._private_dir = self._private_dir or private_dir("slotmap-shadow-")
+        else:
+            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        options = {"on_refusal": self.on_refusal, "every_difference": self.every_difference}
+        self._written += 1
+        return create_unique(folder, f"shadow_repro_step{target[0]}", ".py",
+                             reproduction(self.config, steps, options, target))  # fmt: skip
 
 
-def replay(config: WorkerConfig, steps: Sequence[ShadowStep]) -> None:
-    """Feed recorded steps to a fresh checker (no new script written); raises at the first divergence."""
-    checker = ShadowChecker(config, write_repro=False)
+def replay(
+    config: WorkerConfig,
+    steps: Sequence[ShadowStep],
+    *,
+    on_refusal: str = "raise",
+    every_difference: bool = False,
+    target: tuple[int, int] | None = None,
+) -> ShadowChecker:
+    """Feed recorded steps to a fresh checker (no script written) and raise the report numbered `target`.
+
+    `target` is (step, n): the n-th report of that step, as the live checker numbered it. None raises the
+    first report of any kind. A replay that never reaches its target raises AssertionError: the record
+    did not diverge again.
+    """
+    checker = ShadowChecker(config, write_repro=False, on_refusal=on_refusal, on_mismatch="report",
+                            every_difference=every_difference)  # fmt: skip
+    checker._stop_at = target
     for step in steps:
         checker.check(step.sched, step.arrays, step.req_ids)
-        checker.record_sampled(step.sampled)
-
-
-def reproduction(config: WorkerConfig, steps: Sequence[ShadowStep]) -> str:
-    def arrays(a: dict[str, np.ndarray]) -> str:
-        return "{" + ", ".join(f"{k!r}: np.array({v.tolist()!r}, {str(v.dtype)!r})" for k, v in a.items()) + "}"
-
-    lines = [
-        '"""Written by conformance.shadow: replays an engine\'s steps through spec; the last one diverges."""',
-        "import numpy as np",
-        "",
-        "from conformance.shadow import ShadowStep, replay",
-        "from spec.types import CachedRequest, KVCacheGroup, NewRequest, SchedulerOutput, WorkerConfig",
-        "",
-        f"config = {config!r}",
-        "steps = [",
-        *(f"    ShadowStep({s.sched!r}, {s.req_ids!r}, {arrays(s.arrays)}, {s.sampled!r})," for s in steps),
-        "]",
-        "replay(config, steps)",
-        "",
-    ]
-    return "\n".join(lines)
-
-
-def _to_numpy(x: Any) -> np.ndarray:
-    if hasattr(x, "detach"):  # torch, any device: the checker is a debugging tool, a copy per step is its cost
-        return x.detach().cpu().numpy()
-    return np.array(x)  # a copy: the engine may reuse its buffers
-
-
-def _first_difference(
-    batch: BatchInputs, snapshot: spec.PoolSnapshot, step: ShadowStep, num_groups: int
-) -> tuple[str | None, str, str] | None:
-    """(req_id, field, detail) of the first divergence, requests in spec's batch order; None if none."""
-    a = step.arrays
-    scheduled = list(batch.req_ids)
-    if sorted(step.req_ids) != sorted(scheduled):
-        missing, extra = set(scheduled) - set(step.req_ids), set(step.req_ids) - set(scheduled)
-        req = sorted(missing or extra)[0] if missing or extra else None
-        return req, "req_ids", f"engine batch {list(step.req_ids)}, scheduled {sorted(scheduled)}"
-    engine_idx = {r: e for e, r in enumerate(step.req_ids)}  # req_id -> the engine's batch_idx
-    qsl, num_scheduled = np.asarray(batch.query_start_loc), np.asarray(batch.num_scheduled_tokens)
-    if "query_start_loc" in a:
-        engine_qsl = a["query_start_loc"].astype(np.int64)
-        if engine_qsl.shape[0] < len(step.req_ids) + 1:
-            return None, "query_start_loc", f"{engine_qsl.shape[0]} entries for {len(step.req_ids)} requests"
-    else:  # no offsets given: the engine's tokens lie end to end in its own order
-        counts = [int(num_scheduled[scheduled.index(r)]) for r in step.req_ids]
-        engine_qsl = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
-    by_group = {(m.group(1), int(m.group(2) or 0)): name for name in a if (m := _GROUPED.match(name))}
-    for (_kind, g), name in by_group.items():
-        if g >= num_groups:
-            return None, name, f"group {g}, the config has {num_groups}"
-    blocks_held = {row.req_id: [len(t) for t in row.block_ids] for row in snapshot}
-
-    for b, req_id in enumerate(scheduled):
-        e = engine_idx[req_id]
-        start, n = int(qsl[b]), int(num_scheduled[b])
-        e_start, e_n = int(engine_qsl[e]), int(engine_qsl[e + 1] - engine_qsl[e])
-        if e_n != n:
-            return req_id, "query_start_loc", f"{e_n} tokens at engine batch index {e}, spec schedules {n}"
-        mine = {
-            "num_scheduled_tokens": n,
-            "seq_lens": int(np.asarray(batch.seq_lens)[b]),
-            "logits_indices": int(np.asarray(batch.logits_indices)[b]) - start,  # relative to its first token
-        }
-        for name in REQUEST_FIELDS:
-            if name in a:
-                got = int(a[name][e]) - (e_start if name == "logits_indices" else 0)
-                if got != mine[name]:
-                    what = " (relative to the request's first token)" if name == "logits_indices" else ""
-                    return req_id, name, f"{got}{what}, spec {mine[name]}"
-        token_fields = [(name, np.asarray(getattr(batch, name))) for name in TOKEN_FIELDS if name in a]
-        token_fields += [
-            (name, np.asarray(batch.slot_mappings[g])) for (kind, g), name in by_group.items() if kind == "slot_mapping"
-        ]
-        for name, want in token_fields:
-            got_tokens = a[name][e_start : e_start + n].astype(np.int64)
-            want_tokens = want[start : start + n].astype(np.int64)
-            if not np.array_equal(got_tokens, want_tokens):
-                t = int(np.flatnonzero(got_tokens != want_tokens)[0]) if got_tokens.shape == want_tokens.shape else 0
-                return req_id, name, f"its token {t}: {got_tokens.tolist()}, spec {want_tokens.tolist()}"
-        for (kind, g), name in by_group.items():
-            if kind != "block_table":
-                continue
-            k = blocks_held[req_id][g]
-            row = a[name][e] if a[name].ndim == 2 and a[name].shape[0] > e else np.zeros(0)
-            got_row, want_row = row[:k].astype(np.int64), np.asarray(batch.block_tables[g])[b, :k].astype(np.int64)
-            if not np.array_equal(got_row, want_row):
-                return req_id, name, f"first {k} entries {got_row.tolist()}, spec {want_row.tolist()}"
-
-    for (kind, _g), name in by_group.items():
-        padding = a[name][batch.num_tokens :] if kind == "slot_mapping" else np.zeros(0)
-        if np.any(padding != PAD_SLOT_ID):
-            where = batch.num_tokens + int(np.flatnonzero(padding != PAD_SLOT_ID)[0])
-            return None, name, f"padding token {where} has slot {int(a[name][where])}, not PAD_SLOT_ID"
-    return None
+        if step.sampled is not None:
+            checker.record_sampled(step.sampled)
+    if target is not None:
+        raise AssertionError(f"replayed {len(steps)} steps without reaching report {target}: no divergence again")
+    return checker

@@ -1,4 +1,4 @@
-"""from_vllm: vLLM-shaped scheduler outputs (objects with exactly vLLM 0.33's fields) become slotmap's.
+"""from_vllm: vLLM-shaped scheduler outputs (objects with exactly vLLM 0.32's fields) become slotmap's.
 
 The reference scheduler drives every kind of step; each output is sent through the vLLM shape and
 back, and spec run on the converted outputs must end every step exactly where spec run on the
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
@@ -18,35 +19,76 @@ import spec
 from conformance.driving import sampled_array
 from conformance.scenario import random_scenario
 from conformance.scheduler import ReferenceScheduler, SchedulerKnobs, make_workload
-from spec.interop import VllmConversionError, from_vllm
+from spec import interop
+from spec.interop import VllmConversionError, copy_vllm, from_vllm
 from spec.types import CachedRequest, KVCacheGroup, NewRequest, SchedulerOutput, WorkerConfig
 
 
 @dataclass
-class NewRequestData:
+class NewRequestData:  # vllm/v1/core/sched/output.py, 0.32: every field, in its order
     req_id: str
     prompt_token_ids: list[int] | None
+    mm_features: list[object]
+    sampling_params: object | None
+    pooling_params: object | None
     block_ids: tuple[list[int], ...]
     num_computed_tokens: int
+    lora_request: object | None
+    prompt_embeds: Any = None
+    prompt_is_token_ids: list[bool] | None = None
+    prefill_token_ids: list[int] | None = None
+    replay_start: int = 0
+
+
+def new_req(req_id: str, prompt: list[int] | None, blocks: Any, computed: int = 0, **more: Any) -> NewRequestData:
+    return NewRequestData(req_id, prompt, [], None, None, blocks, computed, None, **more)
 
 
 @dataclass
-class CachedRequestData:
+class CachedRequestData:  # 0.32, every field in its order
     req_ids: list[str]
     resumed_req_ids: set[str]
+    new_token_ids: list[list[int]]
+    all_token_ids: dict[str, list[int]]
     new_block_ids: list[tuple[list[int], ...] | None]
     num_computed_tokens: list[int]
-    all_token_ids: dict[str, list[int]]
+    num_output_tokens: list[int]
+
+
+def cached_reqs(
+    req_ids: list[str],
+    resumed: set[str],
+    new_block_ids: list[Any],
+    computed: list[int],
+    all_token_ids: dict[str, list[int]],
+    num_output_tokens: list[int] | None = None,
+    new_token_ids: list[list[int]] | None = None,
+) -> CachedRequestData:
+    outputs = [0] * len(req_ids) if num_output_tokens is None else num_output_tokens
+    return CachedRequestData(req_ids, resumed, new_token_ids or [], all_token_ids, new_block_ids, computed, outputs)
+
+
+class KVCacheBlockCopy(NamedTuple):  # vllm/v1/core/kv_cache_utils.py
+    src_block_id: int
+    dst_block_id: int
 
 
 @dataclass
-class VllmOutput:
+class VllmOutput:  # 0.32's SchedulerOutput: the fields a worker reads (connector metadata left out)
     scheduled_new_reqs: list[NewRequestData]
     scheduled_cached_reqs: CachedRequestData
     num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
     finished_req_ids: set[str] = field(default_factory=set)
+    free_encoder_mm_hashes: list[str] = field(default_factory=list)
     preempted_req_ids: set[str] | None = None
+    num_invalid_spec_tokens: dict[str, int] | None = None
+    new_block_ids_to_zero: list[int] | None = None
+    kv_cache_block_copies: list[KVCacheBlockCopy] | None = None
+    num_spec_tokens_to_schedule: int = 0
+    num_common_prefix_blocks: list[int] = field(default_factory=list)
 
 
 def _lists(groups: tuple[tuple[int, ...], ...]) -> tuple[list[int], ...]:
@@ -57,17 +99,19 @@ def as_vllm(out: SchedulerOutput, sched: ReferenceScheduler) -> VllmOutput:
     cached = out.cached_requests
     return VllmOutput(
         scheduled_new_reqs=[
-            NewRequestData(r.req_id, list(r.prompt_token_ids), _lists(r.block_ids), r.num_computed_tokens)
+            new_req(r.req_id, list(r.prompt_token_ids), _lists(r.block_ids), r.num_computed_tokens)
             for r in out.new_requests
         ],
-        scheduled_cached_reqs=CachedRequestData(
+        scheduled_cached_reqs=cached_reqs(
             req_ids=[r.req_id for r in cached],
-            resumed_req_ids={r.req_id for r in cached if r.resumed},
+            resumed={r.req_id for r in cached if r.resumed},
             new_block_ids=[None if r.new_block_ids is None else _lists(r.new_block_ids) for r in cached],
-            num_computed_tokens=[r.num_computed_tokens for r in cached],
+            computed=[r.num_computed_tokens for r in cached],
             all_token_ids={r.req_id: list(sched.requests[r.req_id].tokens) for r in cached if r.resumed},
+            num_output_tokens=[sched.requests[r.req_id].num_output for r in cached],
         ),
         num_scheduled_tokens=dict(out.num_scheduled_tokens),
+        total_num_scheduled_tokens=out.total_num_scheduled_tokens,
         # vLLM lists drafting requests only; an empty list per other request must read as "no drafts" too
         scheduled_spec_decode_tokens={
             r: list(out.scheduled_spec_decode_tokens.get(r, ())) for r in out.num_scheduled_tokens
@@ -97,10 +141,12 @@ def test_every_kind_of_step_converts_and_runs_through_spec_identically() -> None
     for config, sched in _schedulers():
         direct, converted = spec.RequestStatePool(config), spec.RequestStatePool(config)
         rng = np.random.default_rng(0)
+        prompts: dict[str, int] = {}
         while not sched.done():
             out = sched.schedule()
             known = {row.req_id: row.token_ids for row in converted.snapshot()}
-            back = from_vllm(as_vllm(out, sched), known_token_ids=known)
+            prompts.update({r.req_id: len(r.prompt_token_ids) for r in out.new_requests})
+            back = from_vllm(as_vllm(out, sched), known_token_ids=known, num_prompt_tokens=prompts)
             assert back == out  # field for field, num_scheduled_tokens' order included
             assert list(back.num_scheduled_tokens) == list(out.num_scheduled_tokens)
             kinds["new"] += len(out.new_requests)
@@ -133,9 +179,10 @@ def test_every_kind_of_step_converts_and_runs_through_spec_identically() -> None
 
 def _minimal(**changes: object) -> VllmOutput:
     out = VllmOutput(
-        scheduled_new_reqs=[NewRequestData("n", [1, 2, 3], ([5],), 0)],
-        scheduled_cached_reqs=CachedRequestData(["c"], set(), [([6],)], [4], {}),
+        scheduled_new_reqs=[new_req("n", [1, 2, 3], ([5],), 0)],
+        scheduled_cached_reqs=cached_reqs(["c"], set(), [([6],)], [4], {}),
         num_scheduled_tokens={"n": 3, "c": 1},
+        total_num_scheduled_tokens=4,
     )
     return dataclasses.replace(out, **changes)  # type: ignore[arg-type]
 
@@ -152,15 +199,15 @@ def test_a_minimal_output_maps_field_for_field() -> None:
 @pytest.mark.parametrize(
     ("changes", "req_id", "field_name"),
     [
-        ({"scheduled_new_reqs": [NewRequestData("n", None, ([5],), 0)]}, "n", "prompt_token_ids"),
+        ({"scheduled_new_reqs": [new_req("n", None, ([5],), 0)]}, "n", "prompt_token_ids"),
         ({"preempted_req_ids": {"c"}}, "c", "preempted_req_ids"),
         (
-            {"scheduled_cached_reqs": CachedRequestData(["c"], set(), [], [4], {})},
+            {"scheduled_cached_reqs": cached_reqs(["c"], set(), [], [4], {})},
             None,
             "CachedRequestData.new_block_ids",
         ),
-        ({"scheduled_cached_reqs": CachedRequestData(["c"], {"x"}, [None], [4], {})}, "x", "resumed_req_ids"),
-        ({"scheduled_new_reqs": [NewRequestData("n", [1], [5], 0)]}, "n", "block_ids"),  # type: ignore[arg-type]
+        ({"scheduled_cached_reqs": cached_reqs(["c"], {"x"}, [None], [4], {})}, "x", "resumed_req_ids"),
+        ({"scheduled_new_reqs": [new_req("n", [1], [5], 0)]}, "n", "block_ids"),
     ],
 )
 def test_what_cannot_be_mapped_is_refused_naming_request_and_field(
@@ -174,7 +221,7 @@ def test_what_cannot_be_mapped_is_refused_naming_request_and_field(
 
 def test_a_missing_field_is_named() -> None:
     @dataclass
-    class Old:  # an output from a vLLM without preempted_req_ids
+    class Old:  # an output from a vLLM without preempted_req_ids (nor any 0.32 field)
         scheduled_new_reqs: list[NewRequestData]
         scheduled_cached_reqs: CachedRequestData
         num_scheduled_tokens: dict[str, int]
@@ -188,9 +235,122 @@ def test_a_missing_field_is_named() -> None:
 
 
 def test_resumed_tokens_must_match_what_slotmap_holds() -> None:
-    resumed = CachedRequestData(["c"], {"c"}, [([6, 7],)], [0], {"c": [1, 2, 3]})
+    resumed = cached_reqs(["c"], {"c"}, [([6, 7],)], [0], {"c": [1, 2, 3]})
     out = _minimal(scheduled_cached_reqs=resumed)
     assert from_vllm(out, known_token_ids={"c": (1, 2, 3)}).cached_requests[0].resumed
     with pytest.raises(VllmConversionError) as caught:
         from_vllm(out, known_token_ids={"c": (1, 2, 4)})
     assert (caught.value.req_id, caught.value.field) == ("c", "all_token_ids")
+
+
+# ---- vLLM 0.32's fields, one by one -------------------------------------------------------------------
+def _refused(out: VllmOutput, req_id: str | None, field_name: str, **known: Any) -> VllmConversionError:
+    with pytest.raises(VllmConversionError) as caught:
+        from_vllm(out, **known)
+    assert (caught.value.req_id, caught.value.field) == (req_id, field_name), caught.value
+    return caught.value
+
+
+def test_replay_start_is_refused_unless_zero() -> None:
+    assert from_vllm(_minimal(scheduled_new_reqs=[new_req("n", [1, 2, 3], ([5],), replay_start=0)])).new_requests
+    _refused(_minimal(scheduled_new_reqs=[new_req("n", [1, 2, 3], ([5],), replay_start=2)]), "n", "replay_start")
+
+
+def test_prefill_token_ids_are_the_known_tokens_and_start_with_the_prompt() -> None:
+    out = _minimal(scheduled_new_reqs=[new_req("n", [1, 2], ([5],), prefill_token_ids=[1, 2, 9])])
+    assert from_vllm(out).new_requests[0].prompt_token_ids == (1, 2, 9)  # v2: prompt then outputs
+    bad = _minimal(scheduled_new_reqs=[new_req("n", [1, 2], ([5],), prefill_token_ids=[1, 3, 9])])
+    _refused(bad, "n", "prefill_token_ids")
+
+
+def test_a_v2_resumption_becomes_a_resumed_request_and_a_v1_repeat_is_refused() -> None:
+    """Model runner v2 drops a preempted request and sends it again as new, with every token it holds."""
+    again = new_req("c", [1, 2], ([7, 8],), 0, prefill_token_ids=[1, 2, 3])
+    out = _minimal(scheduled_new_reqs=[again], num_scheduled_tokens={"c": 3},
+                   scheduled_cached_reqs=cached_reqs([], set(), [], [], {}), total_num_scheduled_tokens=3)  # fmt: skip
+    back = from_vllm(out, known_token_ids={"c": (1, 2, 3)})
+    assert back.new_requests == () and back.cached_requests == (CachedRequest("c", 0, ((7, 8),), resumed=True),)
+    _refused(out, "c", "prefill_token_ids", known_token_ids={"c": (1, 2, 4)})
+    repeat = dataclasses.replace(out, scheduled_new_reqs=[new_req("c", [1, 2], ([7, 8],), 0)])
+    _refused(repeat, "c", "scheduled_new_reqs", known_token_ids={"c": (1, 2)})  # a streaming input update
+
+
+def test_prompt_embeddings_are_refused() -> None:
+    _refused(
+        _minimal(scheduled_new_reqs=[new_req("n", [0, 0, 0], ([5],), prompt_embeds=object())]), "n", "prompt_embeds"
+    )
+    mixed = new_req("n", [1, 0, 3], ([5],), prompt_is_token_ids=[True, False, True])
+    _refused(_minimal(scheduled_new_reqs=[mixed]), "n", "prompt_is_token_ids")
+
+
+def test_num_output_tokens_must_equal_the_tokens_past_the_prompt() -> None:
+    """vLLM's worker truncates its outputs to num_output_tokens (after a failed KV load): slotmap never drops tokens."""
+    known = {"known_token_ids": {"c": (1, 2, 3, 4, 9)}, "num_prompt_tokens": {"c": 4}}
+    ok = _minimal(scheduled_cached_reqs=cached_reqs(["c"], set(), [([6],)], [4], {}, num_output_tokens=[1]))
+    assert from_vllm(ok, **known).cached_requests[0].req_id == "c"
+    fewer = _minimal(scheduled_cached_reqs=cached_reqs(["c"], set(), [([6],)], [4], {}, num_output_tokens=[0]))
+    assert "discard" in _refused(fewer, "c", "num_output_tokens", **known).detail
+    more = _minimal(scheduled_cached_reqs=cached_reqs(["c"], set(), [([6],)], [4], {}, num_output_tokens=[2]))
+    _refused(more, "c", "num_output_tokens", **known)
+    short = _minimal(scheduled_cached_reqs=cached_reqs(["c"], set(), [([6],)], [4], {}, num_output_tokens=[]))
+    _refused(short, None, "CachedRequestData.num_output_tokens")
+
+
+def test_new_token_ids_are_checked_against_the_tokens_held() -> None:
+    """Pipeline parallelism's non-last ranks get this step's tokens; slotmap already holds them."""
+    known = {"known_token_ids": {"c": (1, 2, 3, 4, 9)}}
+
+    def with_tokens(tokens: list[int]) -> VllmOutput:
+        return _minimal(scheduled_cached_reqs=cached_reqs(["c"], set(), [([6],)], [4], {}, new_token_ids=[tokens]))
+
+    assert from_vllm(with_tokens([9]), **known).cached_requests[0].num_computed_tokens == 4
+    _refused(with_tokens([8]), "c", "new_token_ids", **known)
+    _refused(with_tokens([9, 9]), "c", "new_token_ids")  # 1 token scheduled: one token sent
+
+
+def test_total_num_scheduled_tokens_is_the_sum() -> None:
+    assert from_vllm(_minimal(total_num_scheduled_tokens=4)).total_num_scheduled_tokens == 4
+    _refused(_minimal(total_num_scheduled_tokens=5), None, "total_num_scheduled_tokens")
+
+
+def test_block_copies_are_refused_naming_the_request_that_receives_the_copy() -> None:
+    assert from_vllm(_minimal(kv_cache_block_copies=[])).num_scheduled_tokens == {"n": 3, "c": 1}
+    _refused(_minimal(kv_cache_block_copies=[KVCacheBlockCopy(2, 6)]), "c", "kv_cache_block_copies")
+    _refused(_minimal(kv_cache_block_copies=[KVCacheBlockCopy(2, 9)]), None, "kv_cache_block_copies")
+
+
+def test_blocks_to_zero_and_common_prefix_counts_must_be_well_formed() -> None:
+    assert from_vllm(_minimal(new_block_ids_to_zero=[5, 6], num_common_prefix_blocks=[0])).new_requests
+    _refused(_minimal(new_block_ids_to_zero=[0]), None, "new_block_ids_to_zero")
+    _refused(_minimal(num_common_prefix_blocks=[-1]), None, "num_common_prefix_blocks")
+
+
+def test_placeholder_drafts_and_encoder_inputs_are_refused() -> None:
+    _refused(_minimal(scheduled_spec_decode_tokens={"c": [-1, -1]}), "c", "scheduled_spec_decode_tokens")
+    _refused(_minimal(scheduled_encoder_inputs={"n": [0]}), "n", "scheduled_encoder_inputs")
+    assert from_vllm(_minimal(scheduled_encoder_inputs={"n": []})).new_requests
+
+
+def test_finished_requests_the_pool_never_held_need_no_action() -> None:
+    out = _minimal(finished_req_ids={"f", "never-scheduled"})
+    assert from_vllm(out, known_token_ids={"f": (1,), "c": (1, 2, 3, 4)}).finished_req_ids == frozenset({"f"})
+    assert from_vllm(out).finished_req_ids == frozenset({"f", "never-scheduled"})  # without the pool: as sent
+
+
+def test_skipped_requests_are_left_out_entirely() -> None:
+    bad = _minimal(scheduled_new_reqs=[new_req("n", [1, 2, 3], ([5],), replay_start=2)], finished_req_ids={"n"})
+    back = from_vllm(bad, skip={"n"})
+    assert back.new_requests == () and set(back.num_scheduled_tokens) == {"c"} and back.finished_req_ids == frozenset()
+
+
+def test_a_copy_holds_every_field_read_and_rebuilds_from_its_repr() -> None:
+    out = _minimal(kv_cache_block_copies=[], new_block_ids_to_zero=[5], num_common_prefix_blocks=[0],
+                   scheduled_new_reqs=[new_req("n", [1, 2, 3], ([5],), prefill_token_ids=[1, 2, 3])])  # fmt: skip
+    copied = copy_vllm(out)
+    assert from_vllm(copied) == from_vllm(out)
+    assert copied.kv_cache_block_copies == [] and copied.new_block_ids_to_zero == [5]
+    assert copied.scheduled_cached_reqs.num_output_tokens == [0]
+    rebuilt = eval(repr(copied), vars(interop))  # as the reproduction script rebuilds it
+    assert rebuilt == copied
+    out.scheduled_new_reqs[0].block_ids[0].append(99)  # the engine changes its lists later: the copy does not
+    assert copied.scheduled_new_reqs[0].block_ids == ([5],)

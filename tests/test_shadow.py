@@ -1,16 +1,25 @@
 """The shadow checker beside an engine loop written like vLLM v1's: silent when it is right, and it
-names the step, request and field of a planted bug, with a reproduction that fails the same way."""
+names the step, request and field of a planted bug, with a reproduction that fails the same way.
+
+tests/test_shadow_drafts.py: drafting steps in vLLM's form; tests/test_shadow_refusals.py: going on past a
+refused step; tests/test_shadow_files.py: where reproductions are written."""
 
 from __future__ import annotations
 
 import runpy
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
+import spec
 from conformance.scenario import Scenario, random_scenario
 from conformance.scheduler import ReferenceScheduler, SchedulerKnobs, make_workload
-from conformance.shadow import ShadowChecker, ShadowMismatchError
+from conformance.shadow import ShadowChecker, ShadowMismatchError, ShadowRefusalError, replay
+from conformance.shadow_inputs import to_numpy
 from spec.errors import ScheduleError
 from spec.types import KVCacheGroup, NewRequest, SchedulerOutput, WorkerConfig
 from tests.v1_style_engine import V1StyleEngine, to_vllm
@@ -139,16 +148,103 @@ def test_misuse_is_refused(tmp_path: object) -> None:
     assert (caught.value.req_id, caught.value.field) == ("b", "req_ids")
     checker = ShadowChecker(CONFIG, repro_dir=str(tmp_path))
     checker.check(out, arrays, ["a", "b"])
-    with pytest.raises(ValueError, match="request 'b' reached its last token"):
-        checker.record_sampled({"a": 1})
+    with pytest.raises(ValueError, match="request 'c' is not in this step's batch"):
+        checker.record_sampled({"a": 1, "b": 2, "c": 3})
+    with pytest.raises(ShadowRefusalError, match="refused by spec: request 'b': sampled_token_ids: no token"):
+        checker.record_sampled({"a": 1})  # b reached its last token: it samples
 
 
-def test_an_invalid_scheduler_output_is_the_schedulers_error_and_is_not_recorded(tmp_path: object) -> None:
+def test_a_refused_output_raises_as_a_refusal_and_is_not_recorded(tmp_path: object) -> None:
     out, arrays = _one_step(CONFIG)
     checker = ShadowChecker(CONFIG, repro_dir=str(tmp_path))
     bad = SchedulerOutput(new_requests=out.new_requests, num_scheduled_tokens={"a": 5})  # b is new but not scheduled
-    with pytest.raises(ScheduleError):
+    with pytest.raises(ShadowRefusalError) as caught:
         checker.check(bad, arrays, ["a"])
-    assert checker.step_index == 0
+    refusal = caught.value
+    assert isinstance(refusal, ScheduleError) and not isinstance(refusal, ShadowMismatchError)
+    assert str(refusal).startswith("step 0: refused by spec: ") and "fault" not in str(refusal)
+    assert (refusal.step, refusal.error, refusal.lost) == (0, "InconsistentSchedulerOutputError", frozenset())
+    assert checker.step_index == 0 and checker.view.count() == 0  # spec's pool is as before the step
     checker.check(out, arrays, ["a", "b"])  # the checker carries on from the state before the bad output
     assert checker.step_index == 1
+
+
+def test_every_difference_of_a_step_is_listed_when_asked(tmp_path: object) -> None:
+    out, arrays = _one_step(CONFIG)
+    arrays["input_ids"][6] = 3  # b
+    arrays["positions"][2] = 7  # a
+    arrays["slot_mapping"][8] = 40  # padding
+    with pytest.raises(ShadowMismatchError) as caught:
+        ShadowChecker(CONFIG, repro_dir=str(tmp_path), every_difference=True).check(out, arrays, ["a", "b"])
+    found = [(r, f) for r, f, _ in caught.value.differences]
+    assert found == [("b", "input_ids"), ("a", "positions"), (None, "slot_mapping")]  # spec's order, then padding
+    assert (caught.value.req_id, caught.value.field) == found[0]
+    assert str(caught.value).count("\n  and ") == 2
+
+
+def test_a_copy_is_recorded_not_a_view_of_the_engines_buffer() -> None:
+    buffer = torch.arange(6)
+    copied = to_numpy(buffer)
+    buffer[0] = 99  # the engine's next step writes its buffer again
+    assert copied[0] == 0 and not np.shares_memory(copied, buffer.numpy())
+
+
+def _run_torch(scenario: Scenario, checker: ShadowChecker) -> None:
+    """The v1-style loop, its arrays handed over as CPU torch tensors over the engine's reused buffers."""
+    engine = V1StyleEngine(scenario.config)
+    sched = ReferenceScheduler(scenario.config, scenario.workload, scenario.knobs, seed=scenario.seed)
+    rng = np.random.default_rng(scenario.seed)
+    while not sched.done():
+        out = sched.schedule()
+        vllm_out = to_vllm(out, sched)
+        arrays, order = engine.execute(vllm_out)
+        checker.check(vllm_out, {k: torch.from_numpy(v) for k, v in arrays.items()}, order)
+        sampled = {r: int(rng.integers(scenario.config.vocab_size)) for r in sched.sampling_req_ids(out)}
+        engine.record_sampled(sampled)
+        checker.record_sampled(sampled)
+        sched.update(out, sampled)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_the_record_of_an_engine_that_reuses_its_buffers_replays(seed: int, tmp_path: object) -> None:
+    """Every recorded step must hold what that step saw: replaying the record passes where the run passed."""
+    scenario = _scenario(seed)
+    checker = ShadowChecker(scenario.config, repro_dir=str(tmp_path))
+    _run_torch(scenario, checker)
+    assert checker.step_index > 5 and not checker.reports
+    replayed = replay(scenario.config, checker.steps)  # raises at the first report, if any
+    assert replayed.step_index == checker.step_index and not replayed.reports
+
+
+def test_the_checker_never_snapshots_the_pool(tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its cost per step follows the step: it reads spec's pool per request, never every token held."""
+
+    def refuse(self: object) -> None:
+        raise AssertionError("snapshot() called: it copies every token the pool holds")
+
+    monkeypatch.setattr(spec.RequestStatePool, "snapshot", refuse)
+    scenario = _scenario(1)
+    checker = ShadowChecker(scenario.config, repro_dir=str(tmp_path))
+    sched = _run(scenario, V1StyleEngine(scenario.config), checker)
+    assert sched.stats.resumptions > 0 and checker.step_index == sched.stats.steps
+
+
+def test_the_reproduction_fails_the_same_way_in_a_fresh_interpreter(tmp_path: Path) -> None:
+    scenario = _scenario(0)
+    checker = ShadowChecker(scenario.config, repro_dir=tmp_path)
+    with pytest.raises(ShadowMismatchError) as caught:
+        _run(scenario, V1StyleEngine(scenario.config, bug="swap_keeps_block_table"), checker)
+    error = caught.value
+    assert error.repro_path is not None and error.repro_path.parent == tmp_path
+    ran = run_script(error.repro_path)
+    assert ran.returncode == 1 and "ShadowMismatchError" in ran.stderr
+    assert f"step {error.step}: request {error.req_id!r}: {error.field}: {error.detail}" in ran.stderr
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_script(path: Path, *flags: str) -> subprocess.CompletedProcess[str]:
+    """`python <path>` from the repository root, as the report says to run it."""
+    return subprocess.run([sys.executable, *flags, str(path)], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})  # fmt: skip

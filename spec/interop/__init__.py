@@ -1,7 +1,8 @@
 """Engines plug in: vLLM's scheduler output converted, and the layouts other engines' attention takes.
 
-- `vllm`: `from_vllm` (vLLM-shaped SchedulerOutput -> slotmap's), `flash_attn_metadata` (vLLM's names,
-  and `vllm_compatible` conventions), `V2RowPolicy` (model runner v2's row numbering);
+- `vllm`: `from_vllm` (vLLM-shaped SchedulerOutput -> slotmap's), `copy_vllm` (a record of one),
+  `flash_attn_metadata` (vLLM's names, and `vllm_compatible` conventions), `V2RowPolicy` (model runner
+  v2's row numbering);
 - `flashinfer`: `paged_kv_layout` (qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len
   per group) and `paged_attention` reading that layout;
 - `sglang`: `sglang_layout` (req_to_token, req_pool_indices, out_cache_loc, seq_lens, extend lengths);
@@ -22,6 +23,7 @@ from spec.interop.vllm import (
     VllmConversionError,
     VllmNewRequestData,
     VllmSchedulerOutput,
+    copy_vllm,
     flash_attn_metadata,
     from_vllm,
     vllm_table_width,
@@ -37,6 +39,7 @@ __all__ = [
     "VllmConversionError",
     "VllmNewRequestData",
     "VllmSchedulerOutput",
+    "copy_vllm",
     "flash_attn_metadata",
     "from_vllm",
     "host_counts",
