@@ -109,5 +109,6 @@ def random_scenario(seed: int, spec_decode: bool = False) -> Scenario:
     scenario_seed = rng.randrange(2**32)
     spec_tokens, acceptance_rate = rng.choice(SPEC_TOKENS), rng.choice(ACCEPTANCE_RATES)  # drawn last: see above
     if spec_decode:
-        knobs = replace(knobs, spec_tokens=spec_tokens, acceptance_rate=acceptance_rate)
+        knobs = replace(knobs, spec_tokens=spec_tokens, acceptance_rate=acceptance_rate,
+                        drafts_on_admission=rng.random() < 0.5)  # fmt: skip
     return Scenario(config, workload, knobs, attention, scenario_seed)

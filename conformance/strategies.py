@@ -105,6 +105,7 @@ def scheduler_knobs(draw: st.DrawFn, config: WorkerConfig) -> SchedulerKnobs:
         shuffle_order=draw(st.booleans()),
         spec_tokens=draw(st.sampled_from(SPEC_TOKENS)),
         acceptance_rate=draw(st.sampled_from(ACCEPTANCE_RATES)),
+        drafts_on_admission=draw(st.booleans()),
     )
 
 

@@ -93,6 +93,8 @@ def test_seeded_runs_exercise_every_feature() -> None:
             no_draft_accepted=stats.no_draft_accepted,
             drafts_on_prefill=stats.drafts_on_prefill,
             drafts_crossing_blocks=stats.drafts_crossing_blocks,
+            drafts_on_admission=stats.drafts_on_admission,
+            drafts_on_retaken_row=stats.drafts_on_retaken_row,
         )
         for out in outs:
             tokens = list(out.num_scheduled_tokens.values())
@@ -131,6 +133,8 @@ def test_seeded_runs_exercise_every_feature() -> None:
             "no_draft_accepted",
             "drafts_on_prefill",
             "drafts_crossing_blocks",
+            "drafts_on_admission",
+            "drafts_on_retaken_row",
             "drafts and plain decodes in one step",
         )
         if not seen[f]

@@ -18,3 +18,6 @@ class SchedulerKnobs:
     shuffle_order: bool = False  # shuffle num_scheduled_tokens' order (the batch sort's tie-break)
     spec_tokens: int = 0  # most draft tokens per request per step (speculative decoding; 0: none)
     acceptance_rate: float = 0.6  # chance that the rejection step accepts each draft, in turn
+    # drafts on a request's first step (new or resumed), which vLLM never sends (its drafts come from the
+    # step before) but spec accepts: a new request may take a row freed in the same output and draft at once
+    drafts_on_admission: bool = False

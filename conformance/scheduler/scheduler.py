@@ -93,11 +93,14 @@ class ReferenceScheduler:
         self._schedule_running(step, finished)
         self._schedule_waiting(step, finished)
 
+        freed_now = {self.rows.index(r) for r in finished}  # rows this output frees
         for req_id in finished:
             self.rows[self.rows.index(req_id)] = None
             self.pool_num_computed.pop(req_id, None)
         for new in step.new:  # lowest free row, in the order given
-            self.rows[self.rows.index(None)] = new.req_id
+            row = self.rows.index(None)
+            self.rows[row] = new.req_id
+            self.stats.drafts_on_retaken_row += new.req_id in step.drafting_new and row in freed_now
         for req_id, _ in step.scheduled:
             self.pool_num_computed[req_id] = self.requests[req_id].num_computed
         scheduled = list(step.scheduled)
@@ -280,7 +283,8 @@ class ReferenceScheduler:
         for g, group in enumerate(self.groups):
             first_needed = max(0, computed - group.sliding_window + 1) if group.sliding_window else 0
             tables.append([NULL_BLOCK_ID if j < first_needed // group.block_size else b for j, b in enumerate(hits[g])])
-        want = min(req.num_tokens - computed, step.budget, self.max_chunk)
+        drafts = self._admission_drafts(req, tables)
+        want = min(req.num_tokens + len(drafts) - computed, step.budget, self.max_chunk)
         revived = [
             sum(1 for b in t if b != NULL_BLOCK_ID and self.allocators[g].is_free(b)) for g, t in enumerate(tables)
         ]
@@ -293,7 +297,14 @@ class ReferenceScheduler:
             slots = [table[p // bs] * bs + p % bs for p in range(computed, min(computed + n, len(table) * bs))]
             writes.append(slots)
         collides = any(step.written[g].intersection(w) for g, w in enumerate(writes))
-        return _Admission(computed, n, tables, writes, req.status is Status.WAITING, collides)
+        return _Admission(computed, n, tables, writes, req.status is Status.WAITING, collides, drafts)
+
+    def _admission_drafts(self, req: SchedRequest, tables: list[list[int]]) -> list[int]:
+        """Drafts for a first step (knob drafts_on_admission), only where they land in blocks of its own."""
+        if not self.knobs.drafts_on_admission:
+            return []
+        in_shared = any(req.num_tokens < len(t) * g.block_size for t, g in zip(tables, self.groups, strict=True))
+        return [] if in_shared else self.proposer.propose(req.tokens, self._draft_room(req))
 
     def _admit(self, req: SchedRequest, plan: _Admission, step: _Step) -> None:
         for g, table in enumerate(plan.tables):
@@ -319,6 +330,12 @@ class ReferenceScheduler:
             self.stats.resumptions += 1
         req.status = Status.RUNNING
         step.add(req.req_id, plan.num_tokens)
+        kept = plan.drafts[: max(0, plan.computed + plan.num_tokens - req.num_tokens)]
+        self._schedule_drafts(req, kept, step)
+        if kept:
+            self.stats.drafts_on_admission += 1
+            if plan.is_new:
+                step.drafting_new.add(req.req_id)
 
     # ---- blocks -----------------------------------------------------------------------------
     def _fit(
@@ -443,6 +460,7 @@ class _Step:
         self.new: list[NewRequest] = []
         self.cached: list[CachedRequest] = []
         self.preempted: set[str] = set()
+        self.drafting_new: set[str] = set()  # new requests drafting on their first step
 
     def add(self, req_id: str, n: int) -> None:
         self.scheduled.append((req_id, n))
@@ -458,6 +476,7 @@ class _Admission:
         writes: list[list[int]],
         is_new: bool,
         collides: bool,
+        drafts: list[int],
     ) -> None:
         self.computed = computed
         self.num_tokens = num_tokens
@@ -465,3 +484,4 @@ class _Admission:
         self.writes = writes  # per group: slots written inside those cached blocks
         self.is_new = is_new  # holds no row yet: a NewRequest (else a resumed CachedRequest)
         self.collides = collides  # a write lands on a slot another request writes this step
+        self.drafts = drafts  # proposed for its first step (trimmed to what it runs when admitted)

@@ -26,5 +26,7 @@ class SchedulerStats:
     all_drafts_accepted: int = 0  # drafting request-steps that kept every draft
     no_draft_accepted: int = 0  # and that kept none
     drafts_on_prefill: int = 0  # drafts riding on a chunk that also computes prompt tokens
+    drafts_on_admission: int = 0  # drafting request-steps of a new or resumed request's first step
+    drafts_on_retaken_row: int = 0  # of those, new requests in a row that the same output freed
     drafts_crossing_blocks: int = 0  # drafting request-steps whose drafts start or cross a block of some group
     block_usage: list[list[int]] = field(default_factory=list)  # per step: blocks in use per group
