@@ -1,0 +1,40 @@
+"""A bug planted inside vLLM at run time (one slot shifted after vLLM computed its slot mapping) is named by
+the shadow checker: its step, its request, its field, and a reproduction script that fails the same way."""
+
+from __future__ import annotations
+
+import runpy
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conformance.shadow import ShadowMismatchError
+from tests.live_vllm.engine import engine, generate
+
+
+def test_a_shifted_slot_inside_vllm_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm.v1.worker.block_table import BlockTable
+
+    original = BlockTable.compute_slot_mapping
+    planted: dict[str, Any] = {}
+    with engine("llama", tmp_path) as (llm, shadow, _calls):
+
+        def shifted(self: Any, num_reqs: int, query_start_loc: Any, positions: Any) -> None:
+            original(self, num_reqs, query_start_loc, positions)
+            if not planted and shadow.steps_checked >= 4 and num_reqs >= 2:
+                token = int(query_start_loc[num_reqs - 1])  # the last batch row's first token
+                self.slot_mapping.gpu[token] += 1
+                planted.update(step=shadow.steps_checked, req_id=shadow.runner.input_batch.req_ids[num_reqs - 1])
+
+        monkeypatch.setattr(BlockTable, "compute_slot_mapping", shifted)
+        with pytest.raises(ShadowMismatchError) as caught:
+            generate(llm, [list(range(50, 50 + n)) for n in (30, 80, 5)], max_tokens=12)
+
+    error = caught.value
+    assert planted, "the bug was never planted"
+    assert (error.step, error.req_id, error.field) == (planted["step"], planted["req_id"], "slot_mapping[0]")
+    assert error.repro_path is not None and error.repro_path.exists()
+    with pytest.raises(ShadowMismatchError) as replayed:
+        runpy.run_path(str(error.repro_path))
+    assert (replayed.value.step, replayed.value.req_id, replayed.value.field) == (error.step, error.req_id, error.field)

@@ -1,0 +1,50 @@
+"""The vllm.general_plugins entry point: installed with slotmap, idle unless SLOTMAP_SHADOW=1, and then it
+shadows a model runner vLLM builds on its own (no attach call), from the runner's first step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.live_vllm.engine import MODELS, generate
+
+
+def test_the_entry_point_is_what_vllm_loads(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm.plugins import load_plugins_by_group
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from conformance.vllm_attach import plugin
+
+    own = GPUModelRunner.execute_model
+    monkeypatch.setattr(GPUModelRunner, "execute_model", own)  # restored after the test, whatever register does
+    monkeypatch.delenv(plugin.ENV, raising=False)
+    found = load_plugins_by_group("vllm.general_plugins")
+    assert found.get("slotmap_shadow") is plugin.register
+    plugin.register()
+    assert GPUModelRunner.execute_model is own  # off unless asked
+
+
+def test_with_slotmap_shadow_set_every_step_of_a_plain_llm_is_checked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from vllm import LLM
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from conformance.vllm_attach import model_runner_of, plugin
+
+    monkeypatch.setattr(GPUModelRunner, "execute_model", GPUModelRunner.execute_model)
+    monkeypatch.setenv(plugin.ENV, "1")
+    monkeypatch.setenv("SLOTMAP_SHADOW_REPRO_DIR", str(tmp_path))
+    plugin.register()  # what vLLM's load_general_plugins() does in each of its processes (once per process)
+    llm = LLM(model=str(MODELS / "llama"), load_format="dummy", skip_tokenizer_init=True, enforce_eager=True,
+              dtype="float32", block_size=32, max_model_len=256, max_num_batched_tokens=64,
+              num_gpu_blocks_override=32)  # fmt: skip
+    try:
+        outputs = generate(llm, [list(range(30, 130)), [3, 4, 5]], max_tokens=8)
+        shadow = model_runner_of(llm)._slotmap_shadow
+        assert [len(o) for o in outputs] == [8, 8]
+        assert shadow.steps_checked == len(shadow.records) >= 8 + 1  # 100 tokens at 64 a step: a chunk, then 8
+        assert shadow.checker.repro_dir == tmp_path
+    finally:
+        llm.llm_engine.engine_core.shutdown()
