@@ -1,10 +1,11 @@
 """`slotmap bench`: run the benchmark suites through pytest, keep their JSON, render the page, print the targets.
 
 By default everything goes to benchmarks/.scratch/ (ignored by git): the JSON, a rendered copy of the
-page and its plots. `--save` publishes: it pins torch and OpenMP to one thread (or `--threads N`) and
-records that in the JSON, keeps the JSON in benchmarks/results/<machine>.json, and re-renders
-docs/performance.md from every published results file. The page is generated from saved JSON only, so
-every number on it can be traced to a file.
+page and its plots (where another user could write there, to a new private folder: `scratch_folder`).
+`--save` publishes: it pins torch and OpenMP to one thread (or `--threads N`) and records that in the
+JSON, keeps the JSON in benchmarks/results/<machine>.json, and re-renders docs/performance.md from every
+published results file. The page is generated from saved JSON only, so every number on it can be traced
+to a file.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 import os
 import re
 import shlex
+import stat
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -20,6 +22,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from conformance.private_files import private_dir
 from slotmap.bench.page import render
 from slotmap.bench.results import load
 from slotmap.bench.targets import rich_table, target_rows
@@ -91,8 +94,9 @@ def run(quick: bool, budget: float | None, json_path: Path, extra: list[str], th
 def main(options: BenchOptions, console: Console) -> None:
     name = options.machine or machine_name()
     threads = options.threads if options.threads is not None or not options.save else PUBLISH_THREADS
-    folder, page, images = (RESULTS, PAGE, IMAGES) if options.save else (SCRATCH, SCRATCH / "performance.md",
-                                                                         SCRATCH / "img")  # fmt: skip
+    scratch = None if options.save else scratch_folder()
+    folder, page, images = (RESULTS, PAGE, IMAGES) if scratch is None else (scratch, scratch / "performance.md",
+                                                                            scratch / "img")  # fmt: skip
     ours = folder / f"{name}.json"
     if not options.render_only:
         run(options.quick, options.budget, ours, options.pytest_args, threads)
@@ -100,10 +104,34 @@ def main(options: BenchOptions, console: Console) -> None:
     if not paths or not all(p.exists() for p in paths):
         raise SystemExit(f"no results in {folder}: run `slotmap bench{' --save' if options.save else ''}` first")
     render(paths, page, images)
-    console.print(f"rendered {page.relative_to(ROOT)} from {', '.join(str(p.relative_to(ROOT)) for p in paths)}")
+    console.print(f"rendered {_shown(page)} from {', '.join(_shown(p) for p in paths)}")
     if ours.exists():
         _, results = load(ours)
         console.print(rich_table(target_rows(results), f"targets on {name}"))
+
+
+def scratch_folder() -> Path:
+    """benchmarks/.scratch when only this user can write there (their own checkout), else a new private folder.
+
+    The bench rewrites its scratch files every run, so the folder must be one no other user can create or
+    swap for a symlink: a real directory owned by the user, in a parent only the user can write.
+    """
+    if _only_mine(SCRATCH.parent) and (not os.path.lexists(SCRATCH) or _only_mine(SCRATCH)):
+        return SCRATCH
+    return private_dir("slotmap-bench-")
+
+
+def _only_mine(path: Path) -> bool:
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    mine = not hasattr(os, "getuid") or st.st_uid == os.getuid()
+    return stat.S_ISDIR(st.st_mode) and mine and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+
+
+def _shown(path: Path) -> str:
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
 def published() -> list[Path]:

@@ -20,6 +20,7 @@ from rich.table import Table
 from conformance.backends import load_backend
 from conformance.differential import DifferentialRun, MismatchError, one_torch_thread
 from conformance.mutations import breaker
+from conformance.private_files import create_new
 from conformance.scenario import random_scenario
 from spec.errors import ALL_ERRORS
 
@@ -31,7 +32,7 @@ class CheckOptions:
     seed: int = 0
     invalid_share: float = 0.2  # share of steps preceded by an invalid variant
     max_steps_per_scenario: int = 200
-    repro: Path | None = None  # also write the reproduction here
+    repro: Path | None = None  # also write the reproduction to this new file (conformance/private_files.py)
 
 
 def check_command(options: CheckOptions, console: Console) -> bool:
@@ -63,8 +64,11 @@ def check_command(options: CheckOptions, console: Console) -> bool:
                 console.print("reproduction:")
                 console.print(exc.repro, markup=False, highlight=False)
                 if options.repro is not None:
-                    options.repro.write_text(exc.repro + "\n")
-                    console.print(f"(written to {options.repro})")
+                    try:  # created exclusively: a file (or symlink) that appeared there since is left alone
+                        create_new(options.repro, exc.repro + "\n")
+                        console.print(f"(written to {options.repro})")
+                    except FileExistsError:
+                        console.print(f"(not written: {options.repro} exists now, and slotmap never replaces a file)")
                 return False
             totals["steps"] += run.steps
             totals["requests"] += run.sched.stats.admitted

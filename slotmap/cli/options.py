@@ -6,6 +6,7 @@ under typer's usage line, with exit status 2.
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -57,9 +58,13 @@ def suffix(expected: str) -> Callable[[Path | None], Path | None]:
     return check
 
 
-def text_file(path: Path | None) -> Path | None:
-    if path is not None:
-        _output(path, "the file")
+def new_file(path: Path | None) -> Path | None:
+    """A file slotmap creates: nothing (no file, no symlink) may hold the name yet, since it never replaces one."""
+    if path is None:
+        return None
+    _output(path, "the file")
+    if os.path.lexists(path):
+        raise typer.BadParameter(f"{path} exists: give a new path (slotmap never replaces a file)")
     return path
 
 
