@@ -196,7 +196,8 @@ def check(
     seed: Annotated[int, typer.Option(min=0, help="seed of the scenarios (configs, workloads, scheduler knobs)")] = 0,
     invalid_share: Annotated[float, typer.Option(min=0.0, max=1.0, help="share of steps sent broken first")] = 0.2,
     repro: Annotated[
-        Path | None, typer.Option(callback=options.text_file, help="on a mismatch, also write the reproduction here")
+        Path | None,
+        typer.Option(callback=options.new_file, help="on a mismatch, also write the reproduction to this new file"),
     ] = None,
 ) -> None:
     """Differential check of a backend against spec on seeded scheduler runs; exit status 1 on any difference."""
