@@ -1,7 +1,7 @@
 """The project's imports point down and never go round in a circle.
 
 Layers, lowest first: `spec` <- `fast` <- `conformance` <- {`slotmap`, `benchmarks`} (side by side: neither
-imports the other). Inside `slotmap`: {`tiny`, `pictures`, `bench`} <- `simulate` <- `cli`. A module may
+imports the other). Inside `slotmap`: {`tiny`, `pictures`, `bench`} <- {`simulate`, `explore`} <- `cli`. A module may
 import its own layer and the layers below it, never one above nor a sibling. On top of that no module may
 take part in an import cycle, counting every import in the file (inside functions too: a deferred
 import still ties the two modules together).
@@ -32,6 +32,7 @@ LAYERS: tuple[tuple[str, int], ...] = (
     ("slotmap.pictures", 3),
     ("slotmap.bench", 3),
     ("slotmap.simulate", 4),
+    ("slotmap.explore", 4),  # the explorer page: a whole run, from pictures' rows of each step
     ("slotmap.cli", 5),
     ("slotmap.__main__", 6),  # `python -m slotmap`: the command line again
 )
