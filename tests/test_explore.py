@@ -350,6 +350,7 @@ def test_a_seeded_run_stepped_through_shows_spec_arrays(
         for t, seen in enumerate(browser.execute_script(CLICK_EACH_AND_READ, list(range(num_tokens)))):
             _check_token(seen, _expected_path(batch, groups, t), t)
         browser.find_element("id", "step-next").click()
+    assert browser.get_log("browser") == []  # no script error on any step
 
 
 def test_the_page_is_usable_from_the_keyboard(browser: Any, tmp_path: Path) -> None:

@@ -67,6 +67,7 @@ def headless_chromium(width: int = 1500, height: int = 1100) -> Iterator[WebDriv
         options.binary_location = chromium
         for flag in (*FLAGS, f"--window-size={width},{height}", f"--user-data-dir={profile}"):
             options.add_argument(flag)
+        options.set_capability("goog:loggingPrefs", {"browser": "SEVERE"})  # the page's errors: driver.get_log
         driver = webdriver.Chrome(service=Service(chromedriver), options=options)
         try:
             yield driver

@@ -83,7 +83,7 @@
         const gone = j < released[g];
         const kind = gone ? "released" : id === 0 ? "null" : "";
         const label = `row ${row}, ${groupName(g)}, logical block ${j}: physical block ${id}` + (gone ? ", released by the window" : "");
-        return el("span", { class: `entry ${kind}`, "data-group": g, "data-logical": j, title: label, "aria-label": label }, id);
+        return el("span", { class: `entry ${kind}`, "data-group": g, "data-logical": j, title: label, role: "img", "aria-label": label }, id);
       }), ids.length === 0 ? "(empty)" : null));
       const statusText = DATA.row_status[status];
       table.append(el("tr", { class: `state-row status-${status}`, "data-row": row, "data-req": req(r) },
@@ -167,7 +167,7 @@
     s.kv.forEach((entries, g) => {
       const written = new Set(s.written[g]);
       const listed = new Map(entries.map((e) => [e[0], e]));
-      const grid = el("div", { class: "kv-grid", "data-group": g });
+      const grid = el("div", { class: "kv-grid", "data-group": g, role: "list", "aria-label": `physical blocks of ${groupName(g)}` });
       const n = GROUPS[g].num_blocks;
       const ids = n <= MAX_DRAWN_BLOCKS ? Array.from({ length: n }, (_, i) => i) : [...listed.keys()];
       for (const id of ids) {
@@ -179,7 +179,7 @@
         const owner = kind === "held" ? holders[0][0] : null;
         const label = `${groupName(g)}, physical block ${id}: ${text}${w ? ", written this step" : ""}`;
         grid.append(el("div", { class: `block ${kind}${w ? " written" : ""}`, "data-block": id, "data-group": g, "data-kind": kind,
-          title: label, "aria-label": label, style: owner === null ? null : `--c:${colour(owner)}` },
+          title: label, role: "listitem", "aria-label": label, style: owner === null ? null : `--c:${colour(owner)}` },
           el("span", { class: "id" }, id), w ? " ✎" : null, el("br"), text));
       }
       box.append(el("div", { class: "kv-group" }, el("h3", { text: groupName(g) + (n > MAX_DRAWN_BLOCKS ? `: the ${ids.length} listed blocks of ${n}` : "") }), grid));
