@@ -9,6 +9,7 @@ from __future__ import annotations
 import runpy
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +22,7 @@ from conformance.scheduler import ReferenceScheduler, SchedulerKnobs, make_workl
 from conformance.shadow import ShadowChecker, ShadowMismatchError, ShadowRefusalError, replay
 from conformance.shadow_inputs import to_numpy
 from spec.errors import ScheduleError
+from spec.interop import VllmCachedRequestData, VllmNewRequestData, VllmSchedulerOutput
 from spec.types import KVCacheGroup, NewRequest, SchedulerOutput, WorkerConfig
 from tests.v1_style_engine import V1StyleEngine, to_vllm
 
@@ -248,3 +250,46 @@ def run_script(path: Path, *flags: str) -> subprocess.CompletedProcess[str]:
     """`python <path>` from the repository root, as the report says to run it."""
     return subprocess.run([sys.executable, *flags, str(path)], cwd=ROOT, capture_output=True, text=True, timeout=120,
                           env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})  # fmt: skip
+
+
+def _vllm_step(req_id: str, prompt: list[int], blocks: list[int], **fields: object) -> VllmSchedulerOutput:
+    return VllmSchedulerOutput(
+        scheduled_new_reqs=[VllmNewRequestData(req_id, prompt, (blocks,), 0)],
+        scheduled_cached_reqs=VllmCachedRequestData([], set(), [], [], {}),
+        num_scheduled_tokens={req_id: len(prompt)},
+        **fields,  # type: ignore[arg-type]
+    )
+
+
+def test_a_zeroed_block_that_holds_kv_a_token_reads_is_named(tmp_path: object) -> None:
+    config = WorkerConfig(2, 16, 16, 100, (KVCacheGroup(4, 10),))
+    checker = ShadowChecker(config, repro_dir=str(tmp_path), on_mismatch="report")
+    assert checker.check(_vllm_step("a", [1, 2, 3, 4, 5], [3, 4], new_block_ids_to_zero=[3, 4]), {}, ["a"]) == []
+    checker.record_sampled({"a": 6})
+    decode = VllmSchedulerOutput(
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=VllmCachedRequestData(["a"], set(), [None], [5], {}),
+        num_scheduled_tokens={"a": 1},
+        new_block_ids_to_zero=[4],  # block 4 holds position 4, which the decode at position 5 reads
+    )
+    (report,) = checker.check(decode, {}, ["a"])
+    assert isinstance(report, ShadowMismatchError) and (report.req_id, report.field) == ("a", "new_block_ids_to_zero")
+
+
+def test_a_common_prefix_claim_is_checked_against_the_tables(tmp_path: object) -> None:
+    config = WorkerConfig(2, 16, 16, 100, (KVCacheGroup(4, 10),))
+    shared = VllmSchedulerOutput(
+        scheduled_new_reqs=[
+            VllmNewRequestData("a", [1, 2, 3, 4, 5], ([3, 4],), 4),
+            VllmNewRequestData("b", [1, 2, 3, 4, 6], ([3, 5],), 4),
+        ],
+        scheduled_cached_reqs=VllmCachedRequestData([], set(), [], [], {}),
+        num_scheduled_tokens={"a": 1, "b": 1},
+        num_common_prefix_blocks=[1],
+    )
+    assert ShadowChecker(config, repro_dir=str(tmp_path)).check(shared, {}, ["a", "b"]) == []
+    with pytest.raises(ShadowMismatchError) as caught:
+        ShadowChecker(config, repro_dir=str(tmp_path)).check(
+            replace(shared, num_common_prefix_blocks=[2]), {}, ["a", "b"]
+        )
+    assert caught.value.field == "num_common_prefix_blocks" and caught.value.req_id in {"a", "b"}
