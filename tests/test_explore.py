@@ -36,7 +36,15 @@ from slotmap.explore.export import export_run
 from slotmap.explore.page import render_page
 from slotmap.pictures.explanation import explain_step
 from slotmap.pictures.steps import seeded_step
-from spec.types import PAD_SLOT_ID, KVCacheGroup, NewRequest, RowSnapshot, SchedulerOutput, WorkerConfig
+from spec.types import (
+    PAD_SLOT_ID,
+    CachedRequest,
+    KVCacheGroup,
+    NewRequest,
+    RowSnapshot,
+    SchedulerOutput,
+    WorkerConfig,
+)
 
 SPEC = load_backend("spec")
 RUNS = [(0, 2), (1, 0)]  # (seed, spec_tokens): prefix sharing, null entries and drafts; preemption and resumption
@@ -138,6 +146,26 @@ def test_block_uses_name_held_shared_released_null_and_stale_blocks() -> None:
     assert kinds == {5: "released", 6: "shared", 7: "held", 9: "held", 0: "null", 10: "held", 11: "stale"}
     assert uses[6].holders == [("a", 1), ("b", 1)]
     assert uses[5].released == [("a", 0)] and uses[5].stale == [("c", 1)]
+
+
+def test_a_block_a_window_released_and_the_same_request_got_back_is_shown_reused() -> None:
+    """vLLM's case (issue 18's minimal form): window 8, block size 4, 12 tokens in blocks 5, 6, 7; position 12
+    is handed block 5 again, which its released entry 0 still lists."""
+    config = WorkerConfig(2, 32, 16, 50, (KVCacheGroup(4, 8, sliding_window=8),))
+    recorder = Recorder(config)
+    new = NewRequest("r", tuple(range(12)), ((5, 6, 7),))
+    prefill = SchedulerOutput(new_requests=(new,), num_scheduled_tokens={"r": 12})
+    decode = SchedulerOutput(cached_requests=(CachedRequest("r", 12, ((5,),)),), num_scheduled_tokens={"r": 1})
+    for sched in (prefill, decode):
+        recorder.step(sched)
+        recorder.sampled([9])
+    data = export_run(recorder.run("reuse"))
+    step = data["steps"][1]
+    assert step["tokens"]["groups"][0]["slot"] == [5 * 4 + 0]  # position 12: logical block 3, now block 5 again
+    assert step["rows"][0][6:] == [[[5, 6, 7, 5]], [1]]  # the table, and its one released entry
+    assert step["kv"][0][0] == [5, "h", [0, 3], [0, 0]]  # held at entry 3, released at entry 0
+    kinds = {kind for kind, _, _ in step["changes"]}
+    assert {"window", "appended"} <= kinds
 
 
 def test_changes_name_preemptions_resumptions_recycled_rows_and_drafts() -> None:
@@ -330,15 +358,20 @@ def test_clicking_each_token_highlights_spec_path_on_every_step(browser: Any, tm
         browser.find_element("id", "step-next").click()
 
 
-@pytest.mark.parametrize(("seed", "spec_tokens"), RUNS)
+@pytest.mark.parametrize(("seed", "spec_tokens", "reuse"), [(*r, False) for r in RUNS] + [(1, 0, True)])
 def test_a_seeded_run_stepped_through_shows_spec_arrays(
-    browser: Any, tmp_path: Path, seed: int, spec_tokens: int
+    browser: Any, tmp_path: Path, seed: int, spec_tokens: int, reuse: bool
 ) -> None:
-    run = seeded_run(seed, spec_tokens=spec_tokens)
+    """With reuse (freed blocks first, as vLLM), explain has no such run: spec's batches as prepare returned them."""
+    run = seeded_run(seed, spec_tokens=spec_tokens, reuse_freed_first=reuse)
     _open(browser, run, tmp_path, f"seed{seed}")
     groups = run.config.kv_groups
+    reused = 0
     for number in range(1, len(run.steps) + 1):
-        batch = seeded_step(SPEC, seed, number, spec_tokens=spec_tokens).batch
+        if reuse:
+            batch = run.steps[number - 1].view.batch
+        else:
+            batch = seeded_step(SPEC, seed, number, spec_tokens=spec_tokens).batch
         num_tokens = int(batch["num_tokens_padded"])
         # every real token's block is marked as written this step
         written = {(g, int(batch["block_tables"][g][b, int(batch["positions"][t]) // group.block_size]))
@@ -349,8 +382,11 @@ def test_a_seeded_run_stepped_through_shows_spec_arrays(
         assert {tuple(w) for w in seen["written"]} == written
         for t, seen in enumerate(browser.execute_script(CLICK_EACH_AND_READ, list(range(num_tokens)))):
             _check_token(seen, _expected_path(batch, groups, t), t)
+        reused += browser.execute_script("return document.querySelectorAll('#kv .block[aria-label*=reused]').length")
         browser.find_element("id", "step-next").click()
     assert browser.get_log("browser") == []  # no script error on any step
+    if reuse:
+        assert reused > 0  # a block a window released and handed out again says so
 
 
 def test_the_page_is_usable_from_the_keyboard(browser: Any, tmp_path: Path) -> None:

@@ -108,10 +108,15 @@ def explore(
     spec_tokens: Annotated[
         int, typer.Option(min=0, help="with --seed: the scheduler drafts up to K tokens per request")
     ] = 0,
+    reuse_freed_first: Annotated[
+        bool,
+        typer.Option(help="with --seed: freed blocks are handed out first, as vLLM's allocator does (a block a "
+                     "window released comes straight back, even to the same request)"),
+    ] = False,
     step: Annotated[int | None, typer.Option(min=1, help="the step the page opens at (default: the first)")] = None,
     screenshot: Annotated[
         Path | None,
-        typer.Option(callback=options.suffix("png"), help="also save a picture of the page as it opens (headless Chromium)"),
+        typer.Option(callback=options.suffix("png"), help="also save a picture of the page as it opens (Chromium)"),
     ] = None,
 ) -> None:
     """Write one self-contained HTML page that walks a run step by step: pick any token, see its path to its slot."""
@@ -119,9 +124,11 @@ def explore(
 
     from slotmap.explore import seeded_run, worked_example_run, write_page
 
-    if seed is None and (spec_tokens or requests != 6):
-        raise typer.BadParameter("--requests and --spec-tokens need --seed (the worked example is fixed)")
-    run = worked_example_run() if seed is None else seeded_run(seed, requests, spec_tokens)
+    if seed is None and (spec_tokens or requests != 6 or reuse_freed_first):
+        raise typer.BadParameter(
+            "--requests, --spec-tokens and --reuse-freed-first need --seed (the worked example is fixed)"
+        )
+    run = worked_example_run() if seed is None else seeded_run(seed, requests, spec_tokens, reuse_freed_first)
     if step is not None:
         if step > len(run.steps):
             raise typer.BadParameter(f"the run has {len(run.steps)} steps, got --step {step}", param_hint="--step")

@@ -35,13 +35,25 @@ def worked_example_run() -> Run:
     return recorder.run("the articles' worked example", start_step=2)
 
 
-def seeded_run(seed: int, requests: int = SEEDED_REQUESTS, spec_tokens: int = 0, max_steps: int | None = None) -> Run:
-    """The reference scheduler's run of seed `seed`'s workload, to its end (or `max_steps`)."""
+def seeded_run(
+    seed: int,
+    requests: int = SEEDED_REQUESTS,
+    spec_tokens: int = 0,
+    reuse_freed_first: bool = False,
+    max_steps: int | None = None,
+) -> Run:
+    """The reference scheduler's run of seed `seed`'s workload, to its end (or `max_steps`).
+
+    `reuse_freed_first` hands out freed blocks before fresh ones, as vLLM's allocator does: a block a
+    window released comes back at once, to another request or to the same one.
+    """
     config = SEEDED_CONFIG
     workload = make_workload(
         seed, config, num_requests=requests, max_arrival_step=max(3, requests // 2), max_new_tokens=8
     )
-    knobs = SchedulerKnobs(max_chunk=12, pad_buckets=(8, 16, 24), spec_tokens=spec_tokens)
+    knobs = SchedulerKnobs(
+        max_chunk=12, pad_buckets=(8, 16, 24), spec_tokens=spec_tokens, reuse_freed_first=reuse_freed_first
+    )
     sched = ReferenceScheduler(config, workload, knobs, seed=seed)
     recorder = Recorder(config)
     sampler = random.Random(seed)
@@ -59,7 +71,8 @@ def seeded_run(seed: int, requests: int = SEEDED_REQUESTS, spec_tokens: int = 0,
             recorder.sampled(np.array(tokens, np.int64))
         sched.update(out, kept)
     drafts = f", up to {spec_tokens} drafts per request" if spec_tokens else ""
-    return recorder.run(f"seed {seed}: {requests} requests through the reference scheduler{drafts}")
+    reuse = ", freed blocks reused first" if reuse_freed_first else ""
+    return recorder.run(f"seed {seed}: {requests} requests through the reference scheduler{drafts}{reuse}")
 
 
 def shadow_run(config: WorkerConfig, steps: Sequence[ShadowStep], title: str = "an engine's run") -> Run:
