@@ -109,7 +109,7 @@ def engine_rows(sampled: object, req_ids: Sequence[str]) -> np.ndarray:
                 raise ValueError(f"sampled: request {req_id!r} is not in this step's batch")
             rows[index[req_id]] = _token_list(tokens, req_id)
         return _pad(rows)
-    if isinstance(sampled, (list, tuple)) and any(isinstance(r, (list, tuple)) for r in sampled):
+    if isinstance(sampled, (list, tuple)) and any(isinstance(r, (list, tuple, np.ndarray)) for r in sampled):
         if len(sampled) != n:
             raise ValueError(f"sampled: {len(sampled)} rows for the {n} requests of this step's batch")
         return _pad([_token_list(r, req_ids[e]) for e, r in enumerate(sampled)])

@@ -9,7 +9,10 @@ so the converter cannot rely on spec.interop's.
 from __future__ import annotations
 
 import dataclasses
+import json
+import subprocess
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -20,7 +23,14 @@ from conformance.driving import sampled_array
 from conformance.scenario import random_scenario
 from conformance.scheduler import ReferenceScheduler, SchedulerKnobs, make_workload
 from spec import interop
-from spec.interop import VllmConversionError, copy_vllm, from_vllm
+from spec.interop import (
+    VllmCachedRequestData,
+    VllmConversionError,
+    VllmNewRequestData,
+    VllmSchedulerOutput,
+    copy_vllm,
+    from_vllm,
+)
 from spec.types import CachedRequest, KVCacheGroup, NewRequest, SchedulerOutput, WorkerConfig
 
 
@@ -354,3 +364,47 @@ def test_a_copy_holds_every_field_read_and_rebuilds_from_its_repr() -> None:
     assert rebuilt == copied
     out.scheduled_new_reqs[0].block_ids[0].append(99)  # the engine changes its lists later: the copy does not
     assert copied.scheduled_new_reqs[0].block_ids == ([5],)
+
+
+# ---- against the installed vLLM (scripts/setup-vllm) ------------------------------------------------
+VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
+# SchedulerOutput / NewRequestData fields that do not shape the worker's inputs, and why from_vllm leaves them
+NOT_INPUTS = {
+    "free_encoder_mm_hashes": "the encoder cache's bookkeeping",
+    "scheduled_encoder_input_stats": "statistics",
+    "has_structured_output_requests": "the sampler's grammar masks",
+    "pending_structured_output_tokens": "the sampler's grammar masks",
+    "num_invalid_spec_tokens": "the scheduler's acceptance statistics",
+    "kv_connector_metadata": "KV transfer between engines",
+    "has_sync_kv_loads": "KV transfer between engines",
+    "aux_output_connector_metadata": "auxiliary outputs",
+    "ec_connector_metadata": "encoder-cache transfer",
+    "ec_manager_metadata": "encoder-cache transfer",
+    "kv_connector_block_state": "scheduler-local, always None at the worker",
+    "num_spec_tokens_to_schedule": "the scheduler's draft count for its next step",
+    "mm_features": "multimodal: refused through scheduled_encoder_inputs",
+    "sampling_params": "the sampler",
+    "pooling_params": "pooling models' outputs",
+    "lora_request": "weights, not inputs",
+}
+FIELDS_OF_VLLM = """
+import dataclasses, json
+from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+print(json.dumps({c.__name__: [f.name for f in dataclasses.fields(c)]
+                  for c in (NewRequestData, CachedRequestData, SchedulerOutput)}))
+"""
+
+
+@pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no vLLM environment (scripts/setup-vllm makes .venv-vllm)")
+def test_every_field_of_the_installed_vllm_is_read_or_named_as_no_input() -> None:
+    """A vLLM that adds a field to its scheduler output fails here until from_vllm handles it or says why not."""
+    ran = subprocess.run([str(VLLM_PYTHON), "-c", FIELDS_OF_VLLM], capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    real = json.loads(ran.stdout.splitlines()[-1])
+    assert real["NewRequestData"] == [f.name for f in dataclasses.fields(NewRequestData)]
+    assert real["CachedRequestData"] == [f.name for f in dataclasses.fields(CachedRequestData)]
+    read = {
+        f.name for c in (VllmSchedulerOutput, VllmNewRequestData, VllmCachedRequestData) for f in dataclasses.fields(c)
+    }
+    for name in (*real["SchedulerOutput"], *real["NewRequestData"], *real["CachedRequestData"]):
+        assert name in read or name in NOT_INPUTS, f"vLLM's {name} is neither read by from_vllm nor named here"

@@ -105,7 +105,7 @@ def test_the_request_an_error_names_is_dropped_and_the_step_retried(tmp_path: ob
 
 def test_an_output_that_cannot_be_read_drops_the_whole_batch(tmp_path: object) -> None:
     class Broken:  # no num_scheduled_tokens, nor anything else
-        scheduled_new_reqs: list[object] = []
+        scheduled_new_reqs: tuple[object, ...] = ()
 
     checker = ShadowChecker(CONFIG, repro_dir=str(tmp_path), on_refusal="report")
     (refusal,) = checker.check(Broken(), {}, ["a", "b"])
