@@ -128,6 +128,7 @@ def test_engine_order_padding_and_table_tails_are_the_engines_own(tmp_path: obje
         ("block_table", (0, 1), 5, "a"),
         ("slot_mapping", 5, 27, "b"),
         ("slot_mapping", 8, 40, None),  # a padding token that would write KV
+        ("slot_mapping", 7, 40, None),  # the first padding token
         ("query_start_loc", 1, 4, "b"),  # spec's batch order is b first: its count is compared first
     ],
 )
