@@ -46,15 +46,14 @@ from fast.flatten import flatten, ranges
 from fast.kernels.prepare import prepare_triton
 from fast.runtime import interpret, interpret_enabled, use_triton
 from fast.slots import gather_block_tables, slot_mapping
-from fast.state import DeviceState, write_prompts, write_tables
-from fast.validate import StepPlan, from_spec_plan, last_released_entries, plan_bulk_step
+from fast.state import DeviceState, write_prompts
+from fast.validate import last_released_entries, plan_bulk_step
 from fast.writes import apply_writes, draft_columns, step_writes, upload
 from spec.drafts import DraftLogits, accepted_rows, check_accepted, draft_logits
 from spec.errors import InconsistentSchedulerOutputError, ModelLengthError, TokenIdError, UnknownRequestError
-from spec.state import PoolState
+from spec.state import PoolState, StepPlan
 from spec.types import (
     INDEX_DTYPE,
-    NULL_BLOCK_ID,
     PLACEHOLDER_TOKEN_ID,
     BatchInputs,
     PoolSnapshot,
@@ -98,47 +97,29 @@ class RequestStatePool:
     def apply(self, sched: SchedulerOutput) -> None:
         plan = plan_bulk_step(self.state, sched, self._released_tails)
         if plan is None:
-            plan = from_spec_plan(self.state, sched, plan_step(self.state, sched))  # raises spec's error
+            plan = plan_step(self.state, sched)  # raises spec's error, or accepts what the bulk path left to it
         self._commit(plan)
         self._applied, self._plan, self._prepared = sched, plan, None
 
     def _commit(self, plan: StepPlan) -> None:
-        """The one commit: host mirror first (it is the device on plain CPU), then the device in one launch."""
+        """spec's commit to the host mirror (on plain CPU, the device state itself), then the device in one launch."""
         state, dev = self.state, self.dev
         longest = int(plan.prompt_lens.max()) if plan.prompt_lens.size else 0
         if plan.num_drafts is not None:  # drafts go past the known tokens: room for them too
             longest = max(longest, int((draft_columns(state, plan) + plan.num_drafts).max()))
         dev.reserve_tokens(longest)
         writes = None if dev.shared else step_writes(state, plan)  # needs the mirror as it was
-        freed = plan.freed_rows
-        for row in freed.tolist():
-            del state.row_of[state.req_ids[row]]  # a freed row has an owner
-            state.req_ids[row] = None
-        if freed.size:
-            state.num_tokens[freed] = 0
-            state.num_computed_tokens[freed] = 0
-            state.num_blocks[:, freed] = 0
-            for table in state.block_tables:
-                table[freed] = NULL_BLOCK_ID  # no stale ids survive into the next owner's row
-        new_rows = plan.new_rows.tolist()
-        for row, req_id in zip(new_rows, plan.new_req_ids, strict=True):
-            state.req_ids[row] = req_id
-            state.row_of[req_id] = row
-        if new_rows:
-            state.num_tokens[plan.new_rows] = plan.prompt_lens
-        for g, w in enumerate(plan.tables):
-            if w.rows.size:
-                write_tables(state.block_tables[g], state.num_blocks[g], w.rows, w.starts, w.lengths, w.ids, w.replaced)
-        state.num_computed_tokens[plan.computed_rows] = plan.computed_values
+        state.commit(plan)
         if any(t is not None for t in self._released_tails):
             self._refresh_released_tails(plan)
-        if dev.token_ids_np is not None and new_rows:
-            write_prompts(dev.token_ids_np, plan.new_rows, plan.prompt_lens, plan.prompt_tokens)
-        if writes is not None:
+        if writes is not None:  # prompts and drafts ride in the same launch
             with interpret(self._interpret):
                 apply_writes(dev, writes)
-        if plan.num_drafts is not None and dev.token_ids_np is not None:  # under Triton, step_writes carried them
-            self._store_drafts(plan.num_drafts, plan)
+        elif dev.token_ids_np is not None:
+            if plan.new_rows.size:
+                write_prompts(dev.token_ids_np, plan.new_rows, plan.prompt_lens, plan.prompt_tokens)
+            if plan.num_drafts is not None:
+                self._store_drafts(plan.num_drafts, plan)
 
     def _store_drafts(self, num_drafts: np.ndarray, plan: StepPlan) -> None:
         """Each drafting request's drafts into the token storage at positions known .. known + k - 1.
@@ -149,7 +130,7 @@ class RequestStatePool:
         drafting = np.flatnonzero(num_drafts)  # [d] scheduler order
         which, within = ranges(num_drafts[drafting])  # [num_drafts] each draft's request, its index there
         rows = plan.rows[drafting]  # [d] req_state_idx
-        self._store_tokens(rows[which], self.state.num_tokens[rows][which] + within, plan.draft_ids)
+        self._store_tokens(rows[which], self.state.num_known_tokens[rows][which] + within, plan.draft_ids)
 
     def _refresh_released_tails(self, plan: StepPlan) -> None:
         """Rows whose tables changed get new tails (an append may hand back an id a window released)."""
@@ -184,7 +165,8 @@ class RequestStatePool:
         drafts = None
         if plan.num_drafts is not None:  # input ids are right already (apply stored the drafts): add the indices
             drafts = _batch_drafts(plan.num_drafts, plan.draft_ids, order)
-            sampler = draft_logits(np.concatenate([[0], cu_num_tokens]), _counts(drafts), drafts)
+            draft_ids = np.concatenate([np.zeros(0, np.int32), *drafts])  # [num_drafts] batch order
+            sampler = draft_logits(np.concatenate([[0], cu_num_tokens]), _counts(drafts), draft_ids)
             batch = dataclasses.replace(batch, **self._sampler_tensors(sampler))
         self._prepared_drafts = drafts
         self._prepared = batch
@@ -308,7 +290,7 @@ class RequestStatePool:
             raise InconsistentSchedulerOutputError(
                 None, "sampled_token_ids", f"{sampled.shape[0]} rows of ids for {batch.num_reqs} batch rows"
             )
-        rows, seq_lens, num_tokens = self._prepared_rows_np, self._prepared_seq_lens_np, self.state.num_tokens
+        rows, seq_lens, num_tokens = self._prepared_rows_np, self._prepared_seq_lens_np, self.state.num_known_tokens
         takes = np.empty(rows.size, np.int64)  # [k] batch_idx of the rows that reached their last token
         vocab, max_len = self.config.vocab_size, self.config.max_model_len
         bad, count, longest = _check_sampled(rows, seq_lens, num_tokens, sampled, vocab, max_len, takes)
@@ -337,7 +319,7 @@ class RequestStatePool:
         rows, seq_lens = self._prepared_rows_np, self._prepared_seq_lens_np
         drafts = self._prepared_drafts or [np.zeros(0, np.int32)] * batch.num_reqs  # [n] per batch row
         num_drafts = _counts(drafts)  # [n]
-        known = self.state.num_tokens[rows]  # [n]
+        known = self.state.num_known_tokens[rows]  # [n]
         takes = seq_lens == known + num_drafts  # [n]
         width = tokens.shape[1]
         column = np.arange(width)[None, :]  # [1, width]
@@ -364,7 +346,7 @@ class RequestStatePool:
         which, within = ranges(counts[taking])
         if which.size:
             self._store_tokens(rows[taking][which], known[taking][which] + within, tokens[taking[which], within])
-            self.state.num_tokens[rows[taking]] += counts[taking]
+            self.state.num_known_tokens[rows[taking]] += counts[taking]
 
     def _store_tokens(
         self,
@@ -402,7 +384,7 @@ class RequestStatePool:
         """In time proportional to the tokens held: one device->host copy of the occupied rows' known tokens."""
         state = self.state
         occupied = [row for row, req_id in enumerate(state.req_ids) if req_id is not None]
-        lengths = state.num_tokens[occupied]
+        lengths = state.num_known_tokens[occupied]
         held = int(lengths.max()) if occupied else 0
         if self.dev.token_ids_np is not None:
             token_ids = self.dev.token_ids_np

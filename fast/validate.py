@@ -27,50 +27,18 @@ plan_step's exact per-slot check.
 from __future__ import annotations
 
 from array import array
-from dataclasses import dataclass, field
 from itertools import chain, islice
 from typing import Any
 
 import numpy as np
 from numba import njit
 
-from spec.state import PoolState
-from spec.state import StepPlan as SpecStepPlan
+from spec.state import PoolState, StepPlan, TableWrites
 from spec.types import CachedRequest, CachedRequestColumns, NewRequest, SchedulerOutput
 
 _SEQUENCES = (tuple, list)
 _EMPTY = np.zeros(0, np.int64)
-
-
-@dataclass(frozen=True)
-class GroupWrites:
-    """One KV group's table changes: each listed row gets `ids` written from entry `starts`."""
-
-    rows: np.ndarray  # [k] int64 req_state_idx
-    starts: np.ndarray  # [k] int64 first entry written: the row's filled count, or 0 where replaced
-    lengths: np.ndarray  # [k] int64 ids written (0 for a table replaced by an empty one)
-    ids: np.ndarray  # [sum(lengths)] int64, row after row
-    replaced: np.ndarray  # [k] bool: the whole table is replaced (a new or resumed request)
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    """What a validated output does, in apply order, and the batch it schedules (read once, frozen here)."""
-
-    freed_rows: np.ndarray  # [f] int64 req_state_idx of finished requests, ascending
-    new_req_ids: list[str]  # [k]
-    new_rows: np.ndarray  # [k] int64 req_state_idx each new request takes
-    prompt_lens: np.ndarray  # [k] int64
-    prompt_tokens: np.ndarray  # [sum(prompt_lens)] int32, the prompts end to end
-    tables: tuple[GroupWrites, ...]  # per group
-    computed_rows: np.ndarray  # [c] int64 req_state_idx
-    computed_values: np.ndarray  # [c] int64 num_computed_tokens after the step
-    req_ids: list[str]  # [n] scheduled requests, scheduler order (the batch's tie-break)
-    rows: np.ndarray  # [n] int64 scheduler order -> req_state_idx
-    num_scheduled: np.ndarray  # [n] int64, scheduler order
-    # speculative decoding (spec/drafts.py); only spec's plan_step accepts drafts, so only from_spec_plan sets them
-    num_drafts: np.ndarray | None = None  # [n] int64 drafts of each scheduled request, scheduler order; None: none
-    draft_ids: np.ndarray = field(default_factory=lambda: _EMPTY)  # [sum(num_drafts)] int32, scheduler order
+_NO_TOKENS = np.zeros(0, np.int32)
 
 
 def plan_bulk_step(
@@ -126,7 +94,7 @@ def plan_bulk_step(
     else:
         freed_rows = new_rows = _EMPTY
     last = np.empty(n, np.int64)  # [n] last position each cached request writes
-    if not _check_progress(rows, num_computed, num_scheduled[cached_at], state.num_tokens, last):
+    if not _check_progress(rows, num_computed, num_scheduled[cached_at], state.num_known_tokens, last):
         return None
     appends = _appended_ids(new_blocks, n, len(config.kv_groups))
     if appends is None:
@@ -136,7 +104,7 @@ def plan_bulk_step(
         return None
     new_computed, prompt_lens, prompt_tokens, new_writes, new_written = prompts
 
-    tables, computed_rows, computed_values = [], rows, num_computed
+    tables = []
     for g in range(len(config.kv_groups)):
         tails = released_tails[g] if released_tails is not None else None
         checked = _check_group(state, g, rows, num_computed, last, appends[g], tails)
@@ -148,24 +116,25 @@ def plan_bulk_step(
         if _has_repeats(written):  # a block written by two requests: plan_step checks per slot
             return None
         tables.append(_merge(new_rows, new_writes[g], appended) if num_new else appended)
-    if num_new:
-        computed_rows = np.concatenate([new_rows, rows])
-        computed_values = np.concatenate([new_computed, num_computed])
-    batch_rows = np.empty(n + num_new, np.int64)
-    batch_rows[cached_at] = rows
-    batch_rows[new_at] = new_rows
+    if not num_new and type(cached_at) is slice:  # the cached requests come in the scheduler's order
+        sched_rows, sched_computed = rows, num_computed
+    else:  # scheduler order from the cached and the new requests' parts
+        sched_rows, sched_computed = np.empty(n + num_new, np.int64), np.empty(n + num_new, np.int64)
+        sched_rows[cached_at], sched_rows[new_at] = rows, new_rows
+        sched_computed[cached_at], sched_computed[new_at] = num_computed, new_computed
     return StepPlan(
         freed_rows=freed_rows,
-        new_req_ids=new_ids,
+        new_req_ids=tuple(new_ids),
         new_rows=new_rows,
         prompt_lens=prompt_lens,
         prompt_tokens=prompt_tokens,
         tables=tuple(tables),
-        computed_rows=computed_rows,
-        computed_values=computed_values,
-        req_ids=keys,
-        rows=batch_rows,
+        req_ids=tuple(keys),
+        rows=sched_rows,
         num_scheduled=num_scheduled,
+        num_computed=sched_computed,
+        num_drafts=None,
+        draft_ids=_NO_TOKENS,
     )
 
 
@@ -215,7 +184,7 @@ def _rows_of_new(
     return np.array(freed, np.int64), np.array(new_rows, np.int64)
 
 
-_NO_NEW: tuple[np.ndarray, np.ndarray, np.ndarray, list[GroupWrites], list[np.ndarray]] = (
+_NO_NEW: tuple[np.ndarray, np.ndarray, np.ndarray, list[TableWrites], list[np.ndarray]] = (
     _EMPTY,
     _EMPTY,
     np.zeros(0, np.int32),
@@ -228,9 +197,9 @@ def _check_new_requests(
     state: PoolState,
     new: tuple[NewRequest, ...] | list[NewRequest],  # [k]
     num_scheduled: np.ndarray,  # [k] >= 1
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[GroupWrites], list[np.ndarray]] | None:
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[TableWrites], list[np.ndarray]] | None:
     """Checks 6-12 for the new requests. Returns their num_computed_tokens [k], prompt lengths [k], prompt
-    tokens [sum] int32, per group their tables (as GroupWrites, rows left to the caller) and the physical
+    tokens [sum] int32, per group their tables (as TableWrites, rows left to the caller) and the physical
     blocks their tokens write."""
     config = state.config
     k, num_groups = len(new), len(config.kv_groups)
@@ -264,7 +233,7 @@ def _check_new_requests(
         if not ok:
             return None
         written.append(out)
-        writes.append(GroupWrites(_EMPTY, np.zeros(k, np.int64), lengths, ids, np.ones(k, bool)))
+        writes.append(TableWrites(_EMPTY, np.zeros(k, np.int64), lengths, ids, np.ones(k, bool)))
     return num_computed, prompt_lens, tokens, writes, written
 
 
@@ -379,7 +348,7 @@ def _check_group(
     last: np.ndarray,  # [n] last position each writes
     appended: tuple[np.ndarray, np.ndarray, np.ndarray],  # request index [a], lengths [a], ids
     released_tails: np.ndarray | None,  # [R] last released entry of every row, or None
-) -> tuple[GroupWrites, np.ndarray] | None:
+) -> tuple[TableWrites, np.ndarray] | None:
     """Checks 9-12 for group g's cached requests: their appends, and the physical blocks their tokens write."""
     group = state.config.kv_groups[g]
     app_req, lengths, ids = appended
@@ -392,7 +361,7 @@ def _check_group(
     )  # fmt: skip
     if not ok:
         return None
-    return GroupWrites(rows[app_req], app_counts, lengths, ids, np.zeros(app_req.size, bool)), written
+    return TableWrites(rows[app_req], app_counts, lengths, ids, np.zeros(app_req.size, bool)), written
 
 
 _NO_TAILS = np.zeros(0, np.int64)
@@ -525,9 +494,9 @@ def _repeats_a_block(entries: np.ndarray) -> bool:  # pragma: no cover - compile
     return False
 
 
-def _merge(new_rows: np.ndarray, new: GroupWrites, cached: GroupWrites) -> GroupWrites:
+def _merge(new_rows: np.ndarray, new: TableWrites, cached: TableWrites) -> TableWrites:
     """The new requests' table writes (rows filled in) followed by the cached requests' appends."""
-    return GroupWrites(
+    return TableWrites(
         rows=np.concatenate([new_rows, cached.rows]),
         starts=np.concatenate([new.starts, cached.starts]),
         lengths=np.concatenate([new.lengths, cached.lengths]),
@@ -543,45 +512,3 @@ def _has_repeats(values: np.ndarray) -> bool:  # pragma: no cover - compiled
         if ordered[i] == ordered[i - 1]:
             return True
     return False
-
-
-def from_spec_plan(state: PoolState, sched: SchedulerOutput, plan: SpecStepPlan) -> StepPlan:
-    """The StepPlan of a step plan_step accepted (what this module does not cover), read from spec's plan."""
-    num_groups = len(state.config.kv_groups)
-    freed = set(plan.freed_rows)
-    tables = []
-    for g in range(num_groups):
-        updates = [u for u in plan.table_updates if u.group == g]
-        rows = np.array([u.row for u in updates], np.int64)
-        # an append continues the row's table as committed; a row freed this step held nothing for it
-        starts = [0 if u.replace or u.row in freed else int(state.num_blocks[g, u.row]) for u in updates]
-        tables.append(
-            GroupWrites(
-                rows=rows,
-                starts=np.array(starts, np.int64),
-                lengths=np.array([len(u.block_ids) for u in updates], np.int64),
-                ids=np.array([i for u in updates for i in u.block_ids], np.int64),
-                replaced=np.array([u.replace for u in updates], bool),
-            )
-        )
-    new_rows = np.array(plan.new_rows, np.int64)
-    new_ids = [r.req_id for r in sched.new_requests]
-    row_of = {r: state.row_of[r] for r, _ in plan.scheduled if r in state.row_of}  # cached requests
-    row_of.update(zip(new_ids, plan.new_rows, strict=True))
-    computed = sorted(plan.num_computed_tokens.items())
-    drafts = [plan.drafts.get(r, np.zeros(0, np.int32)) for r, _ in plan.scheduled]  # scheduler order
-    return StepPlan(
-        freed_rows=np.array(plan.freed_rows, np.int64),
-        new_req_ids=new_ids,
-        new_rows=new_rows,
-        prompt_lens=np.array([len(p) for p in plan.prompts], np.int64),
-        prompt_tokens=np.concatenate([np.zeros(0, np.int32), *plan.prompts]).astype(np.int32),
-        tables=tuple(tables),
-        computed_rows=np.array([row for row, _ in computed], np.int64),
-        computed_values=np.array([value for _, value in computed], np.int64),
-        req_ids=[r for r, _ in plan.scheduled],
-        rows=np.array([row_of[r] for r, _ in plan.scheduled], np.int64),
-        num_scheduled=np.array([n for _, n in plan.scheduled], np.int64),
-        num_drafts=np.array([d.size for d in drafts], np.int64) if plan.drafts else None,
-        draft_ids=np.concatenate([np.zeros(0, np.int32), *drafts]).astype(np.int32),
-    )

@@ -25,8 +25,7 @@ from fast.kernels.apply_writes import apply_writes_triton
 from fast.state import DeviceState
 
 if TYPE_CHECKING:
-    from fast.validate import GroupWrites, StepPlan
-    from spec.state import PoolState
+    from spec.state import PoolState, StepPlan, TableWrites
 
 TABLE_OP_FIELDS = 6
 TOKEN_OP_FIELDS = 4
@@ -116,9 +115,9 @@ def step_writes(state: PoolState, plan: StepPlan) -> StepWrites:
         lengths = np.concatenate([lengths, plan.num_drafts[drafting]])
         token_data.append(plan.draft_ids.astype(np.int64))
     token_ops = np.stack([rows, columns, lengths, data_len + lengths.cumsum() - lengths], axis=1)
-    cleared = plan.freed_rows[~np.isin(plan.freed_rows, plan.computed_rows)]  # freed rows nobody takes: progress to 0
+    cleared = plan.freed_rows[~np.isin(plan.freed_rows, plan.rows)]  # freed rows nobody takes: progress to 0
     computed = np.concatenate(
-        [np.stack([plan.computed_rows, plan.computed_values], axis=1), np.stack([cleared, 0 * cleared], axis=1)]
+        [np.stack([plan.rows, plan.num_computed], axis=1), np.stack([cleared, 0 * cleared], axis=1)]
     )
     return StepWrites(
         table_ops=np.concatenate(ops).reshape(-1, TABLE_OP_FIELDS),
@@ -133,7 +132,7 @@ def draft_columns(state: PoolState, plan: StepPlan) -> np.ndarray:
 
     Read before the commit: a new request knows its prompt (its row may still hold a finished request's count).
     """
-    known = state.num_tokens[plan.rows].copy()  # [n]
+    known = state.num_known_tokens[plan.rows].copy()  # [n]
     new_lengths = dict(zip(plan.new_rows.tolist(), plan.prompt_lens.tolist(), strict=True))
     for i, row in enumerate(plan.rows.tolist()):
         if row in new_lengths:
@@ -141,7 +140,7 @@ def draft_columns(state: PoolState, plan: StepPlan) -> np.ndarray:
     return known
 
 
-def _segments(writes: GroupWrites, keep: np.ndarray) -> np.ndarray:
+def _segments(writes: TableWrites, keep: np.ndarray) -> np.ndarray:
     """The ids of the kept rows' writes, in order."""
     which, _ = ranges(writes.lengths)
     return writes.ids[keep[which]]

@@ -64,20 +64,23 @@ def draft_token_indices(query_start_loc: np.ndarray, num_draft_tokens: np.ndarra
     return (ends + from_end).astype(np.int64)
 
 
-def draft_logits(query_start_loc: np.ndarray, num_draft_tokens: np.ndarray, drafts: list[np.ndarray]) -> DraftLogits:
-    """The sampler's indices; `drafts[b]` holds batch row b's draft ids (empty where it drafts nothing)."""
+def draft_logits(
+    query_start_loc: np.ndarray,  # [num_reqs + 1]
+    num_draft_tokens: np.ndarray,  # [num_reqs] drafts of each batch row
+    draft_token_ids: np.ndarray,  # [num_drafts] the rows' drafts end to end, in batch order
+) -> DraftLogits:
+    """The sampler's indices, and the draft ids as the sampler reads them."""
     num_sampled = num_draft_tokens + 1  # [num_reqs] logits rows of each batch row
     cu_num_sampled = np.cumsum(num_sampled)  # [num_reqs]
     ends = np.repeat(query_start_loc[1:], num_sampled)  # [num_reqs + num_drafts]
     logits_indices = ends - np.repeat(num_sampled, num_sampled) + _arange_per_row(num_sampled)
     first_row = np.repeat(cu_num_sampled - num_sampled, num_draft_tokens)  # [num_drafts] row's first logits row
     target = first_row + _arange_per_row(num_draft_tokens)
-    ids = np.concatenate([np.zeros(0, TOKEN_DTYPE), *drafts]).astype(TOKEN_DTYPE)
     return DraftLogits(
         logits_indices=logits_indices.astype(INDEX_DTYPE),
         num_draft_tokens=num_draft_tokens.astype(INDEX_DTYPE),
         cu_num_draft_tokens=np.cumsum(num_draft_tokens).astype(INDEX_DTYPE),
-        draft_token_ids=ids,
+        draft_token_ids=draft_token_ids.astype(TOKEN_DTYPE),
         target_logits_indices=target.astype(INDEX_DTYPE),
         bonus_logits_indices=(cu_num_sampled - 1).astype(INDEX_DTYPE),
     )

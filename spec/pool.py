@@ -47,28 +47,32 @@ class RequestStatePool:
 
     def apply(self, sched: SchedulerOutput) -> None:
         plan = plan_step(self.state, sched)  # raises before anything below runs
-        new = sched.new_requests
-        self.state.commit(plan, [r.req_id for r in new], [len(p) for p in plan.prompts])
-        for prompt, row in zip(plan.prompts, plan.new_rows, strict=True):
-            self.token_ids[row, : len(prompt)] = prompt
+        self.state.commit(plan)
+        starts = np.cumsum(plan.prompt_lens) - plan.prompt_lens  # [k] where each prompt begins in prompt_tokens
+        for row, start, length in zip(plan.new_rows, starts, plan.prompt_lens, strict=True):
+            self.token_ids[row, :length] = plan.prompt_tokens[start : start + length]
         self._applied, self._plan, self._prepared = sched, plan, None
 
     def prepare(self, sched: SchedulerOutput, pad_to: int | None = None) -> BatchInputs:
         if self._plan is None or (sched is not self._applied and sched != self._applied):
             raise InconsistentSchedulerOutputError(None, "prepare", "not the last applied scheduler output")
-        num_tokens = sum(n for _, n in self._plan.scheduled)
+        plan = self._plan
+        num_tokens = int(plan.num_scheduled.sum())
         padded = num_tokens if pad_to is None else pad_to
         if not is_integral(padded):
             raise InconsistentSchedulerOutputError(None, "pad_to", f"{pad_to!r} is not an integer")
         if padded < num_tokens:
             raise InconsistentSchedulerOutputError(None, "pad_to", f"{pad_to} < {num_tokens} scheduled tokens")
         padded = int(padded)
-        req_ids, index_mapping, num_scheduled = batch_order(self._plan.scheduled, self.state.row_of)
+        scheduled = list(zip(plan.req_ids, plan.num_scheduled.tolist(), strict=True))  # scheduler order
+        req_ids, index_mapping, num_scheduled = batch_order(scheduled, self.state.row_of)
         flat = flatten(index_mapping, num_scheduled, self.state.num_computed_tokens, self.token_ids, padded)
         no_drafts = np.zeros(0, TOKEN_STORAGE_DTYPE)
-        drafts = [self._plan.drafts.get(r, no_drafts) for r in req_ids]  # [num_reqs] per batch row
+        drafts_of = plan.drafts_of()
+        drafts = [drafts_of.get(r, no_drafts) for r in req_ids]  # [num_reqs] per batch row
         num_drafts = np.array([d.size for d in drafts], INDEX_DTYPE)  # [num_reqs]
-        sampler = draft_logits(flat.query_start_loc, num_drafts, drafts) if num_drafts.any() else None
+        draft_ids = np.concatenate([no_drafts, *drafts])  # [num_drafts] batch order
+        sampler = draft_logits(flat.query_start_loc, num_drafts, draft_ids) if drafts_of else None
         if sampler is not None:  # the draft positions lie past the known tokens: their ids are the drafts
             flat.input_ids[draft_token_indices(flat.query_start_loc, num_drafts)] = sampler.draft_token_ids
         groups = self.config.kv_groups
@@ -115,14 +119,14 @@ class RequestStatePool:
         tokens, counts = accepted_rows(sampled, batch.num_reqs)  # [num_reqs, width], [num_reqs]
         rows, seq_lens = self._prepared_rows  # as prepared: edits to the batch's arrays cannot redirect the ids
         drafts = self._prepared_drafts
-        known = self.state.num_tokens[rows]  # [num_reqs]
+        known = self.state.num_known_tokens[rows]  # [num_reqs]
         takes = seq_lens == known + [d.size for d in drafts]  # [num_reqs] the step reached its last input token
         for b in np.flatnonzero(takes):
             check_accepted(batch.req_ids[b], tokens[b], int(counts[b]), drafts[b], int(known[b]), self.config)
         for b in np.flatnonzero(takes):
             row, n = rows[b], counts[b]
             self.token_ids[row, known[b] : known[b] + n] = tokens[b, :n]
-            self.state.num_tokens[row] += n
+            self.state.num_known_tokens[row] += n
         self._prepared = None
 
     def _is_last_prepared(self, batch: BatchInputs) -> bool:
@@ -146,7 +150,7 @@ class RequestStatePool:
             RowSnapshot(
                 row=row,
                 req_id=req_id,
-                token_ids=tuple(self.token_ids[row, : self.state.num_tokens[row]].tolist()),
+                token_ids=tuple(self.token_ids[row, : self.state.num_known_tokens[row]].tolist()),
                 num_computed_tokens=int(self.state.num_computed_tokens[row]),
                 block_ids=tuple(tuple(self.state.blocks(row, g).tolist()) for g in range(len(self.config.kv_groups))),
             )

@@ -6,32 +6,61 @@ its tables on a device can keep a `PoolState` on the host as its mirror and shar
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from spec.types import BLOCK_ID_DTYPE, NULL_BLOCK_ID, WorkerConfig
 
 
-@dataclass
-class TableUpdate:
-    row: int  # req_state_idx
-    group: int
-    block_ids: tuple[int, ...]
-    replace: bool  # True: the table becomes block_ids; False: block_ids are appended
+@dataclass(frozen=True)
+class TableWrites:
+    """One KV group's table changes: each listed row gets `ids` written from entry `starts` on."""
+
+    rows: np.ndarray  # [k] int64 req_state_idx
+    starts: np.ndarray  # [k] int64 first entry written: the row's filled entries (an append), 0 where replaced
+    lengths: np.ndarray  # [k] int64 ids written (0 for a table replaced by an empty one)
+    ids: np.ndarray  # [sum(lengths)] int64, row after row
+    replaced: np.ndarray  # [k] bool: the whole table is replaced (a new or resumed request)
 
 
-@dataclass
+@dataclass(frozen=True)
 class StepPlan:
-    """What a validated scheduler output does to the pool, in apply order."""
+    """What a validated scheduler output does to the pool, in apply order, and the batch it schedules.
 
-    freed_rows: list[int] = field(default_factory=list)
-    new_rows: list[int] = field(default_factory=list)  # parallel to sched.new_requests
-    table_updates: list[TableUpdate] = field(default_factory=list)
-    num_computed_tokens: dict[int, int] = field(default_factory=dict)  # row -> value after the step
-    prompts: list[np.ndarray] = field(default_factory=list)  # parallel to new_rows: validated prompt token ids
-    scheduled: list[tuple[str, int]] = field(default_factory=list)  # (req_id, num_scheduled), scheduler order
-    drafts: dict[str, np.ndarray] = field(default_factory=dict)  # req_id -> validated draft ids (non-empty only)
+    Everything prepare and record_sampled read of the output is frozen here, as arrays: changing the
+    output object after apply cannot change the step. Two index spaces meet in it: `new_*` follow
+    `sched.new_requests`; `req_ids`, `rows`, `num_scheduled`, `num_computed` and `num_drafts` follow the
+    scheduler order (the order of `sched.num_scheduled_tokens`, docs/index-spaces.md).
+    """
+
+    freed_rows: np.ndarray  # [f] int64 req_state_idx of the finished requests, ascending
+    new_req_ids: tuple[str, ...]  # [k] the new requests, in the order given
+    new_rows: np.ndarray  # [k] int64 new request -> the req_state_idx it takes
+    prompt_lens: np.ndarray  # [k] int64
+    prompt_tokens: np.ndarray  # [sum(prompt_lens)] int32 (TOKEN_STORAGE_DTYPE), the prompts end to end
+    tables: tuple[TableWrites, ...]  # per KV group
+    req_ids: tuple[str, ...]  # [n] scheduler order: every scheduled request
+    rows: np.ndarray  # [n] int64 scheduler order -> req_state_idx
+    num_scheduled: np.ndarray  # [n] int64 scheduler order
+    num_computed: np.ndarray  # [n] int64 scheduler order: num_computed_tokens as the step sets it
+    num_drafts: np.ndarray | None  # [n] int64 scheduler order: drafts of each request; None: nobody drafts
+    draft_ids: np.ndarray  # [sum(num_drafts)] int32, scheduler order
+
+    def drafts_of(self) -> dict[str, np.ndarray]:
+        """req_id -> its draft ids, for the requests that draft (spec/drafts.py)."""
+        if self.num_drafts is None:
+            return {}
+        ends = np.cumsum(self.num_drafts).tolist()
+        counts = self.num_drafts.tolist()
+        return {r: self.draft_ids[end - k : end] for r, k, end in zip(self.req_ids, counts, ends, strict=True) if k}
+
+
+def ranges(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For ranges of the given lengths laid end to end: (range index, index within range) of every element."""
+    which = np.repeat(np.arange(lengths.shape[0]), lengths)
+    within = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    return which, within
 
 
 class PoolState:
@@ -40,7 +69,7 @@ class PoolState:
         rows = config.max_num_reqs
         self.req_ids: list[str | None] = [None] * rows  # req_state_idx -> req_id
         self.row_of: dict[str, int] = {}  # req_id -> req_state_idx
-        self.num_tokens = np.zeros(rows, np.int64)  # [R] known tokens: prompt + sampled
+        self.num_known_tokens = np.zeros(rows, np.int64)  # [R] known tokens: prompt + sampled (accepted)
         self.num_computed_tokens = np.zeros(rows, np.int64)  # [R]
         self.num_blocks = np.zeros((len(config.kv_groups), rows), np.int64)  # [G, R] filled entries
         self.block_tables = [  # per group: [R, max_blocks_per_req(g)], unused entries NULL_BLOCK_ID
@@ -54,26 +83,30 @@ class PoolState:
     def free_rows(self) -> list[int]:
         return [row for row, req_id in enumerate(self.req_ids) if req_id is None]
 
-    def commit(self, plan: StepPlan, new_req_ids: list[str], prompt_lens: list[int]) -> None:
-        """Apply a validated plan: finished rows are cleared, then new rows filled, then updates."""
-        for row in plan.freed_rows:
-            del self.row_of[self.req_ids[row]]  # type: ignore[arg-type]
+    def commit(self, plan: StepPlan) -> None:
+        """Apply a validated plan: finished rows are cleared, then new rows filled, then tables and progress.
+
+        Both backends' pools commit here (fast to its host mirror, which on plain CPU is its device state).
+        Arrays are written in place, never rebound: fast's device tensors may view them.
+        """
+        freed = plan.freed_rows
+        for row in freed.tolist():
+            del self.row_of[self.req_ids[row]]
             self.req_ids[row] = None
-            self.num_tokens[row] = self.num_computed_tokens[row] = 0
-            self.num_blocks[:, row] = 0
+        if freed.size:
+            self.num_known_tokens[freed] = 0
+            self.num_computed_tokens[freed] = 0
+            self.num_blocks[:, freed] = 0
             for table in self.block_tables:
-                table[row] = NULL_BLOCK_ID  # no stale ids survive into the next owner's row
-        for row, req_id, prompt_len in zip(plan.new_rows, new_req_ids, prompt_lens, strict=True):
+                table[freed] = NULL_BLOCK_ID  # no stale ids survive into the next owner's row
+        for row, req_id in zip(plan.new_rows.tolist(), plan.new_req_ids, strict=True):
             self.req_ids[row] = req_id
             self.row_of[req_id] = row
-            self.num_tokens[row] = prompt_len
-        for update in plan.table_updates:
-            table, row, g = self.block_tables[update.group], update.row, update.group
-            if update.replace:
-                table[row] = NULL_BLOCK_ID
-                self.num_blocks[g, row] = 0
-            start = self.num_blocks[g, row]
-            table[row, start : start + len(update.block_ids)] = update.block_ids
-            self.num_blocks[g, row] = start + len(update.block_ids)
-        for row, value in plan.num_computed_tokens.items():
-            self.num_computed_tokens[row] = value
+        self.num_known_tokens[plan.new_rows] = plan.prompt_lens
+        for table, num_blocks, writes in zip(self.block_tables, self.num_blocks, plan.tables, strict=True):
+            if writes.rows.size:
+                table[writes.rows[writes.replaced]] = NULL_BLOCK_ID
+                which, within = ranges(writes.lengths)  # [sum(lengths)] each id's row, its place after the start
+                table[writes.rows[which], writes.starts[which] + within] = writes.ids
+                num_blocks[writes.rows] = writes.starts + writes.lengths
+        self.num_computed_tokens[plan.rows] = plan.num_computed

@@ -51,7 +51,7 @@ from spec.errors import (
     UnknownRequestError,
     UnknownTokenError,
 )
-from spec.state import PoolState, StepPlan, TableUpdate
+from spec.state import PoolState, StepPlan, TableWrites
 from spec.types import (
     NULL_BLOCK_ID,
     TOKEN_STORAGE_DTYPE,
@@ -97,12 +97,13 @@ def plan_step(state: PoolState, sched: SchedulerOutput) -> StepPlan:
         if new.req_id in state.row_of:
             raise DuplicateRequestError(new.req_id, "new_requests", "req_id already holds a row")
 
-    plan = StepPlan(freed_rows=sorted(state.row_of[r] for r in sched.finished_req_ids))
-    free = sorted(set(state.free_rows()) | set(plan.freed_rows))
+    freed_rows = sorted(state.row_of[r] for r in sched.finished_req_ids)
+    free = sorted(set(state.free_rows()) | set(freed_rows))
+    new_rows: list[int] = []  # parallel to sched.new_requests
     for i, new in enumerate(sched.new_requests):
         if i >= len(free):
             raise PoolFullError(new.req_id, "new_requests", f"all {config.max_num_reqs} rows taken")
-        plan.new_rows.append(free[i])  # lowest free row, in the order the requests are given
+        new_rows.append(free[i])  # lowest free row, in the order the requests are given
 
     total = 0
     for req_id, n in sched.num_scheduled_tokens.items():
@@ -111,6 +112,7 @@ def plan_step(state: PoolState, sched: SchedulerOutput) -> StepPlan:
             raise TokenBudgetError(
                 req_id, "num_scheduled_tokens", f"step total {total} > {config.max_num_batched_tokens}"
             )
+    prompts: list[np.ndarray] = []  # parallel to new_rows: the validated prompts
     for new in sched.new_requests:
         tokens = as_ids(new.prompt_token_ids)
         if tokens is None:
@@ -118,7 +120,8 @@ def plan_step(state: PoolState, sched: SchedulerOutput) -> StepPlan:
         bad = tokens[(tokens < 0) | (tokens >= config.vocab_size)]
         if bad.size:
             raise TokenIdError(new.req_id, "prompt_token_ids", f"{bad[0]} not in [0, {config.vocab_size})")
-        plan.prompts.append(tokens.astype(TOKEN_STORAGE_DTYPE))  # the copy commit stores: later edits can't reach it
+        prompts.append(tokens.astype(TOKEN_STORAGE_DTYPE))  # the copy commit stores: later edits can't reach it
+    drafts_of: dict[str, np.ndarray] = {}  # req_id -> its validated drafts (non-empty only)
     for req_id, value in sched.scheduled_spec_decode_tokens.items():
         drafts = as_ids(value)
         if drafts is None:
@@ -127,9 +130,9 @@ def plan_step(state: PoolState, sched: SchedulerOutput) -> StepPlan:
         if bad.size:
             raise TokenIdError(req_id, "scheduled_spec_decode_tokens", f"{bad[0]} not in [0, {config.vocab_size})")
         if drafts.size:
-            plan.drafts[req_id] = drafts.astype(TOKEN_STORAGE_DTYPE)  # frozen here, as the prompts
+            drafts_of[req_id] = drafts.astype(TOKEN_STORAGE_DTYPE)  # frozen here, as the prompts
 
-    scheduled = _scheduled_requests(state, sched, plan)
+    scheduled = _scheduled_requests(state, sched, new_rows, drafts_of)
     for new in sched.new_requests:
         if len(new.prompt_token_ids) > config.max_model_len:
             raise ModelLengthError(new.req_id, "prompt_token_ids", f"{len(new.prompt_token_ids)} tokens")
@@ -153,11 +156,38 @@ def plan_step(state: PoolState, sched: SchedulerOutput) -> StepPlan:
                 check(state, s, g)
     _check_unique_slots(state, scheduled)
 
-    plan.scheduled = [(r, int(n)) for r, n in sched.num_scheduled_tokens.items()]  # what prepare reads: frozen here
-    for s, update_row in zip(scheduled, _rows(state, sched, plan), strict=True):
-        plan.num_computed_tokens[update_row] = int(s.num_computed)
-    plan.table_updates = _table_updates(state, sched, plan, scheduled)
-    return plan
+    return _plan(state, sched, freed_rows, new_rows, prompts, drafts_of, scheduled)
+
+
+def _plan(
+    state: PoolState,
+    sched: SchedulerOutput,
+    freed_rows: list[int],
+    new_rows: list[int],  # parallel to sched.new_requests
+    prompts: list[np.ndarray],  # parallel to new_rows
+    drafts_of: dict[str, np.ndarray],  # req_id -> drafts (non-empty only)
+    scheduled: list[_Scheduled],  # new then cached requests
+) -> StepPlan:
+    """The validated step as the arrays of a StepPlan: everything prepare reads of the output, frozen here."""
+    row_of = dict(zip([s.req_id for s in scheduled], _rows(state, sched, new_rows), strict=True))
+    by_id = {s.req_id: s for s in scheduled}
+    req_ids = tuple(sched.num_scheduled_tokens)  # scheduler order
+    no_tokens = np.zeros(0, TOKEN_STORAGE_DTYPE)
+    drafts = [drafts_of.get(r, no_tokens) for r in req_ids]
+    return StepPlan(
+        freed_rows=np.array(freed_rows, np.int64),
+        new_req_ids=tuple(r.req_id for r in sched.new_requests),
+        new_rows=np.array(new_rows, np.int64),
+        prompt_lens=np.array([p.size for p in prompts], np.int64),
+        prompt_tokens=np.concatenate([no_tokens, *prompts]),
+        tables=_table_writes(state, sched, new_rows, scheduled),
+        req_ids=req_ids,
+        rows=np.array([row_of[r] for r in req_ids], np.int64),
+        num_scheduled=np.array([by_id[r].num_scheduled for r in req_ids], np.int64),
+        num_computed=np.array([by_id[r].num_computed for r in req_ids], np.int64),
+        num_drafts=np.array([d.size for d in drafts], np.int64) if drafts_of else None,
+        draft_ids=np.concatenate([no_tokens, *drafts]),
+    )
 
 
 def _check_consistency(sched: SchedulerOutput, num_groups: int) -> None:
@@ -272,12 +302,14 @@ def as_ids(values: object) -> np.ndarray | None:
         return None
 
 
-def _rows(state: PoolState, sched: SchedulerOutput, plan: StepPlan) -> list[int]:
+def _rows(state: PoolState, sched: SchedulerOutput, new_rows: list[int]) -> list[int]:
     """Rows of new then cached requests (the order of `_scheduled_requests`)."""
-    return plan.new_rows + [state.row_of[c.req_id] for c in sched.cached_requests]
+    return new_rows + [state.row_of[c.req_id] for c in sched.cached_requests]
 
 
-def _scheduled_requests(state: PoolState, sched: SchedulerOutput, plan: StepPlan) -> list[_Scheduled]:
+def _scheduled_requests(
+    state: PoolState, sched: SchedulerOutput, new_rows: list[int], drafts_of: dict[str, np.ndarray]
+) -> list[_Scheduled]:
     out = []
     for new in sched.new_requests:
         tables, malformed = _tables([], new.block_ids)
@@ -287,7 +319,7 @@ def _scheduled_requests(state: PoolState, sched: SchedulerOutput, plan: StepPlan
                 len(new.prompt_token_ids),
                 int(new.num_computed_tokens),  # integers of any type (check 1): mixed NumPy types must not promote
                 int(sched.num_scheduled_tokens[new.req_id]),
-                _num_drafts(plan, new.req_id),
+                _num_drafts(drafts_of, new.req_id),
                 tables,
                 malformed,
             )
@@ -297,14 +329,14 @@ def _scheduled_requests(state: PoolState, sched: SchedulerOutput, plan: StepPlan
         groups = range(len(state.config.kv_groups))
         kept = [np.zeros(0, np.int64) if cached.resumed else state.blocks(row, g) for g in groups]
         tables, malformed = _tables(kept, cached.new_block_ids or tuple(() for _ in groups))
-        known = int(state.num_tokens[row])
+        known = int(state.num_known_tokens[row])
         out.append(
             _Scheduled(
                 cached.req_id,
                 known,
                 int(cached.num_computed_tokens),
                 int(sched.num_scheduled_tokens[cached.req_id]),
-                _num_drafts(plan, cached.req_id),
+                _num_drafts(drafts_of, cached.req_id),
                 tables,
                 malformed,
             )
@@ -312,8 +344,8 @@ def _scheduled_requests(state: PoolState, sched: SchedulerOutput, plan: StepPlan
     return out
 
 
-def _num_drafts(plan: StepPlan, req_id: str) -> int:
-    drafts = plan.drafts.get(req_id)
+def _num_drafts(drafts_of: dict[str, np.ndarray], req_id: str) -> int:
+    drafts = drafts_of.get(req_id)
     return 0 if drafts is None else int(drafts.size)
 
 
@@ -400,16 +432,27 @@ def _written_slots(s: _Scheduled, g: int, block_size: int) -> np.ndarray:
     return s.tables[g][positions // block_size] * block_size + positions % block_size
 
 
-def _table_updates(
-    state: PoolState, sched: SchedulerOutput, plan: StepPlan, scheduled: list[_Scheduled]
-) -> list[TableUpdate]:
-    """From the validated tables: new and resumed requests replace theirs, the others append what they add."""
-    updates = []
-    resumed = [c.resumed for c in sched.cached_requests]
-    replaces = [True] * len(sched.new_requests) + resumed
-    for s, row, replace in zip(scheduled, _rows(state, sched, plan), replaces, strict=True):
-        for g, table in enumerate(s.tables):
-            added = table if replace else table[state.num_blocks[g, row] :]
+def _table_writes(
+    state: PoolState, sched: SchedulerOutput, new_rows: list[int], scheduled: list[_Scheduled]
+) -> tuple[TableWrites, ...]:
+    """Per group, from the validated tables: new and resumed requests replace theirs, the others append their ids."""
+    replaces = [True] * len(sched.new_requests) + [c.resumed for c in sched.cached_requests]
+    rows = _rows(state, sched, new_rows)
+    out = []
+    for g in range(len(state.config.kv_groups)):
+        writes: list[tuple[int, int, np.ndarray, bool]] = []  # (row, first entry written, ids, replaced)
+        for s, row, replace in zip(scheduled, rows, replaces, strict=True):
+            start = 0 if replace else int(state.num_blocks[g, row])
+            added = s.tables[g][start:]
             if replace or added.size:
-                updates.append(TableUpdate(row, g, tuple(added.tolist()), replace))
-    return updates
+                writes.append((row, start, added, replace))
+        out.append(
+            TableWrites(
+                rows=np.array([w[0] for w in writes], np.int64),
+                starts=np.array([w[1] for w in writes], np.int64),
+                lengths=np.array([w[2].size for w in writes], np.int64),
+                ids=np.concatenate([np.zeros(0, np.int64), *(w[2] for w in writes)]),
+                replaced=np.array([w[3] for w in writes], bool),
+            )
+        )
+    return tuple(out)

@@ -111,7 +111,7 @@ def _assert_device_matches_spec(pool: fast.RequestStatePool, reference: spec.Req
     np.testing.assert_array_equal(dev.num_computed.numpy(), state.num_computed_tokens)
     for row, req_id in enumerate(state.req_ids):
         if req_id is not None:
-            n = int(state.num_tokens[row])
+            n = int(state.num_known_tokens[row])
             np.testing.assert_array_equal(dev.token_ids[row, :n].numpy(), reference.token_ids[row, :n])
 
 
