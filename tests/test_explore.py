@@ -275,7 +275,7 @@ return {
 # each token of arguments[0] clicked in turn, the highlights read after each click: one round trip per step
 CLICK_EACH_AND_READ = (
     "const read = () => {" + READ_HIGHLIGHTS + "};\n"
-    "return arguments[0].map((t) => { document.querySelector(`.token[data-flat=\"${t}\"]`).click(); return read(); });"
+    'return arguments[0].map((t) => { document.querySelector(`.token[data-flat="${t}"]`).click(); return read(); });'
 )
 
 
