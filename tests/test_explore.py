@@ -428,3 +428,21 @@ def test_the_command_takes_a_screenshot_of_the_whole_page(browser: Any, tmp_path
     browser.get((tmp_path / "page.html").resolve().as_uri())
     page_height = browser.execute_script("return document.documentElement.scrollHeight")
     assert width == 1500 and height >= page_height  # the whole page, not the first screenful
+
+
+def test_steps_without_tokens_show_an_empty_batch(browser: Any, tmp_path: Path) -> None:
+    config = WorkerConfig(2, 16, 16, 50, (KVCacheGroup(4, 8),))
+    recorder = Recorder(config)
+    prefill = SchedulerOutput(new_requests=(NewRequest("a", (1, 2, 3), ((1,),)),), num_scheduled_tokens={"a": 3})
+    for sched in (SchedulerOutput(), prefill, SchedulerOutput(finished_req_ids=frozenset({"a"}))):
+        batch = recorder.step(sched)
+        recorder.sampled([5] * batch.num_reqs)
+    _open(browser, recorder.run("empty steps"), tmp_path, "empty")
+    texts = []
+    for _ in range(3):
+        seen = browser.execute_script(READ_HIGHLIGHTS)
+        texts.append((seen["tokens"], browser.find_element("id", "path").text))
+        browser.find_element("id", "step-next").click()
+    assert texts[0] == texts[2] == ([], "no tokens in this step")
+    assert texts[1][0] == [0] and "slot 4" in texts[1][1]  # block 1, offset 0: slot 1 * 4 + 0
+    assert browser.get_log("browser") == []
