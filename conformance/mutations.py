@@ -42,7 +42,15 @@ from spec.errors import (
     UnknownRequestError,
     UnknownTokenError,
 )
-from spec.types import NULL_BLOCK_ID, CachedRequest, NewRequest, PoolSnapshot, SchedulerOutput, WorkerConfig
+from spec.types import (
+    NULL_BLOCK_ID,
+    CachedRequest,
+    KVCacheGroup,
+    NewRequest,
+    PoolSnapshot,
+    SchedulerOutput,
+    WorkerConfig,
+)
 
 Tables = list[list[int]]
 
@@ -61,6 +69,15 @@ class _Req:
     @property
     def last(self) -> int:
         return self.num_computed + self.num_scheduled - 1  # last position written
+
+    def live_from(self, group: KVCacheGroup) -> int:
+        """The first table entry the step reads: entries before it a window released (they may repeat ids)."""
+        return live_from(self.num_computed, group)
+
+
+def live_from(num_computed: int, group: KVCacheGroup) -> int:
+    window = group.sliding_window
+    return 0 if window is None else max(0, num_computed - window + 1) // group.block_size
 
 
 class _Ctx:
@@ -293,7 +310,8 @@ def _block_id(ctx: _Ctx) -> SchedulerOutput | None:
         return None
     g = ctx.rng.randrange(ctx.num_groups)
     group, table = ctx.config.kv_groups[g], list(r.tables[g])
-    real = [b for b in table if b != NULL_BLOCK_ID]
+    first = min(r.live_from(group), len(table))
+    real = [b for b in table[first:] if b != NULL_BLOCK_ID]  # a repeat must be among the live entries
     if ctx.rng.random() < 0.3:
         broken = _malformed_block_id(ctx) or _repeated_block_appended(ctx)
         if broken is not None:
@@ -303,7 +321,7 @@ def _block_id(ctx: _Ctx) -> SchedulerOutput | None:
         options.append(ctx.rng.choice(real))  # repeated in one table
     if group.sliding_window is None:
         options.append(NULL_BLOCK_ID)  # the null block where no window allows it
-    table.insert(ctx.rng.randint(0, len(table)), ctx.rng.choice(options))
+    table.insert(ctx.rng.randint(first, len(table)), ctx.rng.choice(options))
     return _with_tables(ctx.out, r.req_id, [table if i == g else t for i, t in enumerate(r.tables)])
 
 
@@ -334,13 +352,14 @@ def _malformed_block_id(ctx: _Ctx) -> SchedulerOutput | None:
 
 
 def _repeated_block_appended(ctx: _Ctx) -> SchedulerOutput | None:
-    """A continuing request is given again, as a new block, one that its table already holds."""
+    """A continuing request is given again, as a new block, one of its table's live entries already holds."""
+    groups = ctx.config.kv_groups
     options = [
         (c, g, b)
         for c in ctx.out.cached_requests
         if not c.resumed
         for g in range(ctx.num_groups)
-        for b in ctx.rows[c.req_id].block_ids[g]
+        for b in ctx.rows[c.req_id].block_ids[g][live_from(c.num_computed_tokens, groups[g]) :]
         if b != NULL_BLOCK_ID
     ]
     if not options:
@@ -455,12 +474,18 @@ def _check_one(name: str) -> Callable[[_Ctx], SchedulerOutput | None]:
 
 
 def _repeated_block_in_table(ctx: _Ctx) -> SchedulerOutput | None:
-    holding = [(r, g) for r in ctx.reqs for g in range(ctx.num_groups) if any(b != NULL_BLOCK_ID for b in r.tables[g])]
+    groups = ctx.config.kv_groups
+    holding = [
+        (r, g)
+        for r in ctx.reqs
+        for g in range(ctx.num_groups)
+        if any(b != NULL_BLOCK_ID for b in r.tables[g][r.live_from(groups[g]) :])
+    ]
     if not holding:
         return None
     r, g = ctx.rng.choice(holding)
-    table = list(r.tables[g])
-    table.insert(ctx.rng.randint(0, len(table)), ctx.rng.choice([b for b in table if b != NULL_BLOCK_ID]))
+    table, first = list(r.tables[g]), r.live_from(groups[g])  # the repeat goes among the live entries
+    table.insert(ctx.rng.randint(first, len(table)), ctx.rng.choice([b for b in table[first:] if b != NULL_BLOCK_ID]))
     return _with_tables(ctx.out, r.req_id, [table if i == g else t for i, t in enumerate(r.tables)])
 
 

@@ -19,18 +19,20 @@ from spec import (
     CachedRequest,
     InconsistentSchedulerOutputError,
     KVCacheGroup,
+    ModelLengthError,
     NewRequest,
     NullBlockError,
     SchedulerOutput,
     TokenIdError,
     WorkerConfig,
 )
+from spec.protocol import StatePool
 
 CONFIG = WorkerConfig(2, 32, 32, 100, (KVCacheGroup(4, 32),))
 PROMPT = (11, 12, 13)
 
 
-def _prefilled(backend: BackendHandle) -> tuple[object, SchedulerOutput]:
+def _prefilled(backend: BackendHandle) -> tuple[StatePool, SchedulerOutput]:
     pool = backend.make_pool(CONFIG)
     out = SchedulerOutput(new_requests=(NewRequest("a", PROMPT, ((5,),)),), num_scheduled_tokens={"a": 3})
     pool.apply(out)
@@ -121,3 +123,25 @@ def test_the_shadow_checker_notices_a_real_slot_on_the_first_padding_token() -> 
     assert raised.value.field == "slot_mapping" and "padding token 3" in raised.value.detail
     fine = ShadowChecker(CONFIG, write_repro=False)
     fine.check(out, {**arrays, "slot_mapping": np.array([20, 21, 22, PAD_SLOT_ID])}, ["a"])
+
+
+def test_a_step_up_to_max_model_len_is_valid_and_its_sample_has_no_room(backend: BackendHandle) -> None:
+    # The valid side of checks 7 (a prompt of max_model_len; a step ending there): accepted and prepared, but
+    # the row reaches its last token with no room for a sample, so its record is refused. vLLM's scheduler
+    # (and the reference one) never sends such a step; an engine that does must drop that row's sample.
+    config = WorkerConfig(2, 8, 32, 100, (KVCacheGroup(4, 32),))
+    pool = backend.make_pool(config)
+    prompt = tuple(range(1, 9))
+    out = SchedulerOutput(new_requests=(NewRequest("m", prompt, ((5, 6),)),), num_scheduled_tokens={"m": 8})
+    pool.apply(out)
+    batch = pool.prepare(out)
+    np.testing.assert_array_equal(backend.to_numpy(batch.positions), range(8))
+    np.testing.assert_array_equal(backend.to_numpy(batch.seq_lens), [8])
+    before = pool.snapshot()
+    with pytest.raises(ModelLengthError):
+        pool.record_sampled(batch, backend.asarray(np.array([3], np.int64)))
+    assert pool.snapshot() == before
+    too_long = SchedulerOutput(new_requests=(NewRequest("n", (*prompt, 9), ((7, 8, 9),)),),
+                               num_scheduled_tokens={"n": 9})  # fmt: skip
+    with pytest.raises(ModelLengthError):
+        pool.apply(too_long)

@@ -29,7 +29,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "sampled-negative-id-accepted",
         "record_sampled: every taken id in the vocabulary",
-        "fast/pool.py",
+        "fast/sampled.py",
         "if sampled[b] < 0 or sampled[b] >= vocab or known >= max_len:",
         "if sampled[b] >= vocab or known >= max_len:",
         (BOUNDARIES,),
@@ -53,9 +53,17 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "drafts-after-previous-owner",
         "drafts: a new request's drafts follow its prompt",
-        "fast/writes.py",
-        "known[i] = new_lengths[row]",
-        "pass",
+        "fast/drafts.py",
+        "return plan.num_computed + plan.num_scheduled - num_drafts",
+        "return plan.num_computed + plan.num_scheduled - num_drafts + (plan.num_computed == 0)",
+        (BOUNDARIES,),
+    ),
+    Mutant(
+        "shadow-padding-checked-one-late",
+        "padding: a padded token writes no KV (PAD_SLOT_ID)",
+        "conformance/shadow_compare.py",
+        'padding = a[name][total:] if kind == "slot_mapping" else np.zeros(0)',
+        'padding = a[name][total + 1 :] if kind == "slot_mapping" else np.zeros(0)',
         (BOUNDARIES,),
     ),
     Mutant(
@@ -94,8 +102,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "fast-unknown-token-off-by-one",
         "8 UnknownTokenError: every input token known",
         "fast/validate.py",
-        "if num_computed[i] < 0 or last[i] >= num_tokens[rows[i]]:",
-        "if num_computed[i] < 0 or last[i] > num_tokens[rows[i]]:",
+        "if num_computed[i] < 0 or last[i] >= num_known[rows[i]] + k:",
+        "if num_computed[i] < 0 or last[i] > num_known[rows[i]] + k:",
         (INVALID,),
     ),
 )

@@ -1,0 +1,366 @@
+"""Every acceptance rule of spec, with what generates each side of it and what asserts it: written down once.
+
+One `Rule` per refusal site of spec (conformance/rule_sites.py finds them in spec's source: a rule of
+spec with no entry here fails `test_every_refusal_site_has_a_rule`). For each rule:
+- `valid`: the boundary its valid side is generated at: a predicate in `VALID_EDGES` that some step of the
+  reference scheduler's seeded runs satisfies (`test_valid_sides_are_generated` requires one), or
+  `EVERY_STEP` for rules with no numeric boundary (a type, a container, "listed once"), whose valid side
+  is every output the scheduler sends, or the test that builds it by hand where the scheduler, as vLLM's,
+  never goes (a step up to max_model_len leaves no room for its sample);
+- `invalid`: `GENERATED` when the suite's fault generators (conformance.mutations' breakers and
+  malformations for scheduler outputs, conformance.sampled_faults for record_sampled's ids) reach the
+  site in the seeded runs (`test_invalid_sides_are_generated` requires it), or the test that builds the
+  fault by hand where no generator can (a visible gap, kept as short as it can be);
+- `tests`: where the refusal (and each backend's agreement) is asserted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from conformance.rule_sites import Site
+from conformance.seeded import Sampled
+from spec.types import NULL_BLOCK_ID, RowSnapshot, SchedulerOutput, WorkerConfig
+
+EVERY_STEP = "every step"
+GENERATED = "generated"
+
+INVALID_SUITE = "conformance/test_invalid.py::test_invalid_outputs_are_rejected_identically"
+EVERY_CLASS = "conformance/test_invalid.py::test_every_error_class_is_provoked_and_survived"
+MALFORMATIONS = "conformance/test_invalid.py::test_every_malformation_is_provoked_and_survived"
+DRAFT_FAULTS = "conformance/test_drafts.py::test_every_draft_fault_is_provoked_and_survived"
+SAMPLED = "conformance/test_sampled_faults.py::test_every_sampled_fault_is_refused_identically"
+PIPELINE, BOUNDARIES = "conformance/test_pipeline.py", "conformance/test_boundaries.py"
+ERRORS = "conformance/test_errors.py"
+AT_MAX_MODEL_LEN = f"{BOUNDARIES}::test_a_step_up_to_max_model_len_is_valid_and_its_sample_has_no_room"
+
+
+@dataclass(frozen=True)
+class Rule:
+    file: str  # spec/<file>
+    function: str
+    text: str  # occurs in the site's call source
+    summary: str
+    valid: str  # a VALID_EDGES name, or EVERY_STEP
+    invalid: str  # GENERATED, or the test that builds the fault by hand
+    tests: tuple[str, ...]
+
+    def matches(self, site: Site) -> bool:
+        return site.file == self.file and site.function == self.function and self.text in site.source
+
+
+def _tables_after(out: SchedulerOutput, rows: Mapping[str, RowSnapshot], num_groups: int) -> dict[str, list[list[int]]]:
+    """Each scheduled request's tables as they stand after the step."""
+    tables = {r.req_id: [list(t) for t in r.block_ids] for r in out.new_requests}
+    for c in out.cached_requests:
+        added = c.new_block_ids or tuple(() for _ in range(num_groups))
+        kept = [] if c.resumed else [list(t) for t in rows[c.req_id].block_ids]
+        tables[c.req_id] = [[*(kept[g] if kept else []), *added[g]] for g in range(num_groups)]
+    return tables
+
+
+def _computed(out: SchedulerOutput) -> dict[str, int]:
+    return {r.req_id: int(r.num_computed_tokens) for r in (*out.new_requests, *out.cached_requests)}
+
+
+def _live_from(num_computed: int, window: int | None, block_size: int) -> int:
+    return 0 if window is None else max(0, num_computed - window + 1) // block_size
+
+
+Edge = Callable[[WorkerConfig, Mapping[str, RowSnapshot], SchedulerOutput], bool]
+
+
+def _budget_full(config: WorkerConfig, rows: Mapping[str, RowSnapshot], out: SchedulerOutput) -> bool:
+    return out.total_num_scheduled_tokens == config.max_num_batched_tokens
+
+
+def _pool_full(config: WorkerConfig, rows: Mapping[str, RowSnapshot], out: SchedulerOutput) -> bool:
+    return len(rows) - len(out.finished_req_ids) + len(out.new_requests) == config.max_num_reqs
+
+
+def _prompt_id_at_vocab_end(config: WorkerConfig, rows: Mapping[str, RowSnapshot], out: SchedulerOutput) -> bool:
+    return any(config.vocab_size - 1 in r.prompt_token_ids for r in out.new_requests)
+
+
+def _draft_id_at_vocab_end(config: WorkerConfig, rows: Mapping[str, RowSnapshot], out: SchedulerOutput) -> bool:
+    return any(config.vocab_size - 1 in d for d in out.scheduled_spec_decode_tokens.values())
+
+
+def _step_ends_at_last_known(config: WorkerConfig, rows: Mapping[str, RowSnapshot], out: SchedulerOutput) -> bool:
+    computed, drafts = _computed(out), out.scheduled_spec_decode_tokens
+    known = {r: len(row.token_ids) for r, row in rows.items()}
+    known.update({r.req_id: len(r.prompt_token_ids) for r in out.new_requests})
+    return any(computed[r] + n == known[r] + len(drafts.get(r, ())) for r, n in out.num_scheduled_tokens.items())
+
+
+def _drafts_with_one_plus_k(config: WorkerConfig, rows: Mapping[str, RowSnapshot], out: SchedulerOutput) -> bool:
+    drafts = out.scheduled_spec_decode_tokens
+    return any(len(d) and out.num_scheduled_tokens[r] == 1 + len(d) for r, d in drafts.items())
+
+
+def _block_id_at_range_end(config: WorkerConfig, rows: Mapping[str, RowSnapshot], out: SchedulerOutput) -> bool:
+    tables = _tables_after(out, rows, len(config.kv_groups)).values()
+    return any(group.num_blocks - 1 in t[g] for t in tables for g, group in enumerate(config.kv_groups))
+
+
+def _released_id_again(config: WorkerConfig, rows: Mapping[str, RowSnapshot], out: SchedulerOutput) -> bool:
+    """A table whose released part holds an id its live part holds too (the window reuse of vLLM)."""
+    computed = _computed(out)
+    for req_id, tables in _tables_after(out, rows, len(config.kv_groups)).items():
+        for g, group in enumerate(config.kv_groups):
+            first = _live_from(computed[req_id], group.sliding_window, group.block_size)
+            if set(tables[g][:first]) & (set(tables[g][first:]) - {NULL_BLOCK_ID}):
+                return True
+    return False
+
+
+def _null_in_a_window_table(config: WorkerConfig, rows: Mapping[str, RowSnapshot], out: SchedulerOutput) -> bool:
+    tables = _tables_after(out, rows, len(config.kv_groups)).values()
+    groups = config.kv_groups
+    return any(NULL_BLOCK_ID in t[g] for t in tables for g in range(len(groups)) if groups[g].sliding_window)
+
+
+def _table_at_max_blocks(config: WorkerConfig, rows: Mapping[str, RowSnapshot], out: SchedulerOutput) -> bool:
+    tables = _tables_after(out, rows, len(config.kv_groups)).values()
+    return any(len(t[g]) == config.max_blocks_per_req(g) for t in tables for g in range(len(config.kv_groups)))
+
+
+def _writes_the_last_entry(config: WorkerConfig, rows: Mapping[str, RowSnapshot], out: SchedulerOutput) -> bool:
+    computed = _computed(out)
+    for req_id, tables in _tables_after(out, rows, len(config.kv_groups)).items():
+        last = computed[req_id] + out.num_scheduled_tokens[req_id] - 1
+        if any(last // g.block_size == len(tables[i]) - 1 for i, g in enumerate(config.kv_groups)):
+            return True
+    return False
+
+
+def _null_just_before_the_window(config: WorkerConfig, rows: Mapping[str, RowSnapshot], out: SchedulerOutput) -> bool:
+    computed = _computed(out)
+    for req_id, tables in _tables_after(out, rows, len(config.kv_groups)).items():
+        for g, group in enumerate(config.kv_groups):
+            first = _live_from(computed[req_id], group.sliding_window, group.block_size)
+            if 0 < first <= len(tables[g]) and tables[g][first - 1] == NULL_BLOCK_ID:
+                return True
+    return False
+
+
+def _shared_block_written(config: WorkerConfig, rows: Mapping[str, RowSnapshot], out: SchedulerOutput) -> bool:
+    """A request writes a block another request's table holds too (a prefix-cache hit recomputing its last token)."""
+    computed, tables = _computed(out), _tables_after(out, rows, len(config.kv_groups))
+    for g, group in enumerate(config.kv_groups):
+        held: dict[int, set[str]] = {}
+        for row in rows.values():
+            for b in row.block_ids[g]:
+                held.setdefault(b, set()).add(row.req_id)
+        for req_id, t in tables.items():
+            bs, last = group.block_size, computed[req_id] + out.num_scheduled_tokens[req_id] - 1
+            for b in {t[g][p // bs] for p in range(computed[req_id], last + 1)}:
+                if held.get(b, set()) - {req_id}:
+                    return True
+    return False
+
+
+def _resumed_from_zero(config: WorkerConfig, rows: Mapping[str, RowSnapshot], out: SchedulerOutput) -> bool:
+    return any(c.resumed and c.num_computed_tokens == 0 for c in out.cached_requests)
+
+
+def _one_token_scheduled(config: WorkerConfig, rows: Mapping[str, RowSnapshot], out: SchedulerOutput) -> bool:
+    return 1 in out.num_scheduled_tokens.values()
+
+
+def _finished_and_new(config: WorkerConfig, rows: Mapping[str, RowSnapshot], out: SchedulerOutput) -> bool:
+    return bool(out.finished_req_ids) and bool(out.new_requests)
+
+
+VALID_EDGES: dict[str, Edge] = {
+    "the step uses the whole token budget": _budget_full,
+    "every row is held after the step": _pool_full,
+    "a prompt id is vocab_size - 1": _prompt_id_at_vocab_end,
+    "a draft id is vocab_size - 1": _draft_id_at_vocab_end,
+    "a step ending at the last known token (+ k drafts)": _step_ends_at_last_known,
+    "k drafts on exactly 1 + k scheduled tokens": _drafts_with_one_plus_k,
+    "a block id num_blocks - 1": _block_id_at_range_end,
+    "an id released by the window, live again": _released_id_again,
+    "the null block in a windowed table": _null_in_a_window_table,
+    "a table of max_blocks_per_req entries": _table_at_max_blocks,
+    "a step writing its table's last entry": _writes_the_last_entry,
+    "a null entry just before the first one read": _null_just_before_the_window,
+    "a block another request holds, written": _shared_block_written,
+    "a resumed request starting from 0": _resumed_from_zero,
+    "a request scheduled for one token": _one_token_scheduled,
+    "finished and new requests in one step": _finished_and_new,
+}
+
+SampledEdge = Callable[[Sampled, WorkerConfig], bool]
+
+
+def _all_drafts_kept(s: Sampled, config: WorkerConfig) -> bool:
+    return any(t and d and len(r) == 1 + len(d) for r, d, t in zip(s.rows, s.drafts, s.takes, strict=True))
+
+
+def _no_draft_kept(s: Sampled, config: WorkerConfig) -> bool:
+    return any(t and d and len(r) == 1 for r, d, t in zip(s.rows, s.drafts, s.takes, strict=True))
+
+
+def _sampled_id_at_vocab_end(s: Sampled, config: WorkerConfig) -> bool:
+    return any(t and config.vocab_size - 1 in r for r, t in zip(s.rows, s.takes, strict=True))
+
+
+def _sampled_to_max_model_len(s: Sampled, config: WorkerConfig) -> bool:
+    return any(t and k + len(r) == config.max_model_len for r, t, k in zip(s.rows, s.takes, s.known, strict=True))
+
+
+def _a_row_that_does_not_take(s: Sampled, config: WorkerConfig) -> bool:
+    return not all(s.takes)
+
+
+SAMPLED_EDGES: dict[str, SampledEdge] = {
+    "1 + k tokens kept (every draft accepted)": _all_drafts_kept,
+    "1 token kept of a drafting row (none accepted)": _no_draft_kept,
+    "a sampled id vocab_size - 1": _sampled_id_at_vocab_end,
+    "kept tokens reaching max_model_len": _sampled_to_max_model_len,
+    "a mid-prefill row beside taking rows": _a_row_that_does_not_take,
+}
+
+V, D, P = "validate.py", "drafts.py", "pool.py"
+IP = "conformance/test_input_policy.py"
+RULES: tuple[Rule, ...] = (
+    # check 1, the output's own fields (spec/validate.py _check_containers)
+    Rule(V, "_check_containers", '"new_requests", f"{type(', "new_requests is a tuple or list",
+         EVERY_STEP, GENERATED, (MALFORMATIONS,)),
+    Rule(V, "_check_containers", '"cached_requests", f"{type(', "cached_requests is a tuple, list or columns",
+         EVERY_STEP, GENERATED, (MALFORMATIONS,)),
+    Rule(V, "_check_containers", '"num_scheduled_tokens", f"{type(', "num_scheduled_tokens is a mapping",
+         EVERY_STEP, GENERATED, (MALFORMATIONS,)),
+    Rule(V, "_check_containers", '"finished_req_ids", f"{type(', "finished_req_ids is a set, tuple or list",
+         EVERY_STEP, GENERATED, (MALFORMATIONS,)),
+    Rule(V, "_check_containers", '"scheduled_spec_decode_tokens", f"{drafts}', "drafts are a mapping",
+         EVERY_STEP, GENERATED, (MALFORMATIONS,)),
+    Rule(V, "_check_containers", "not a NewRequest", "new_requests holds NewRequests",
+         EVERY_STEP, f"{IP}::test_a_container_of_the_wrong_kind_is_refused", (IP,)),
+    Rule(V, "_check_containers", "one per req_id", "columns of cached requests agree in length",
+         EVERY_STEP, f"{IP}::test_a_container_of_the_wrong_kind_is_refused", (IP,)),
+    Rule(V, "_check_containers", '"needs a set"', "columns' resumed_req_ids is a set",
+         EVERY_STEP, f"{IP}::test_a_container_of_the_wrong_kind_is_refused", (IP,)),
+    Rule(V, "_check_containers", "is not among the cached", "columns' resumed ids are cached ids",
+         EVERY_STEP, f"{IP}::test_a_container_of_the_wrong_kind_is_refused", (IP,)),
+    Rule(V, "_check_containers", "not a CachedRequest", "cached_requests holds CachedRequests",
+         EVERY_STEP, f"{IP}::test_a_container_of_the_wrong_kind_is_refused", (IP,)),
+    Rule(V, "_check_containers", '"finished_req_ids", f"{req_id!r} is not a str")', "finished ids are str",
+         EVERY_STEP, GENERATED, (MALFORMATIONS,)),
+    Rule(V, "_check_containers", '"finished_req_ids", "listed twice"', "a finished id is listed once",
+         EVERY_STEP, GENERATED, (MALFORMATIONS, f"{IP}::test_every_sequence_of_finished_ids_must_be_distinct")),
+    # check 1, consistency (spec/validate.py _check_consistency)
+    Rule(V, "_check_consistency", '"req_id", f"', "a request's req_id is a str",
+         EVERY_STEP, GENERATED, (MALFORMATIONS,)),
+    Rule(V, "_check_consistency", '"new_requests/cached_requests", "listed twice"', "a request is listed once",
+         EVERY_STEP, GENERATED, (MALFORMATIONS, INVALID_SUITE)),
+    Rule(V, "_check_consistency", "finished and scheduled", "a finished request is not scheduled",
+         "finished and new requests in one step", GENERATED, (EVERY_CLASS,)),
+    Rule(V, "_check_consistency", "listed but not scheduled", "a listed request is scheduled",
+         EVERY_STEP, GENERATED, (EVERY_CLASS,)),
+    Rule(V, "_check_consistency", '"num_computed_tokens"', "num_computed_tokens is an integer >= 0",
+         "a resumed request starting from 0", GENERATED, (EVERY_CLASS, MALFORMATIONS)),
+    Rule(V, "_check_consistency", 'fail(None, "num_scheduled_tokens", f"key', "num_scheduled_tokens keys are str",
+         EVERY_STEP, f"{IP}::test_a_field_of_the_wrong_type_is_refused", (IP,)),
+    Rule(V, "_check_consistency", "neither new nor cached", "a scheduled request is listed",
+         EVERY_STEP, GENERATED, (EVERY_CLASS,)),
+    Rule(V, "_check_consistency", "every scheduled request needs", "num_scheduled_tokens are integers >= 1",
+         "a request scheduled for one token", GENERATED, (EVERY_CLASS, MALFORMATIONS)),
+    Rule(V, "_check_consistency", '"scheduled_spec_decode_tokens", f"key', "draft keys are str",
+         EVERY_STEP, GENERATED, (MALFORMATIONS,)),
+    Rule(V, "_check_consistency", "drafts for a request that is not scheduled", "drafts only for scheduled requests",
+         EVERY_STEP, GENERATED, (DRAFT_FAULTS,)),
+    Rule(V, "_check_consistency", '"scheduled_spec_decode_tokens", detail', "k drafts need 1 + k scheduled tokens",
+         "k drafts on exactly 1 + k scheduled tokens", GENERATED, (DRAFT_FAULTS,)),
+    Rule(V, "_check_consistency", '"block_ids", f"', "a new request has a table per group",
+         EVERY_STEP, GENERATED, (MALFORMATIONS,)),
+    Rule(V, "_check_consistency", '"resumed"', "resumed is a bool",
+         EVERY_STEP, GENERATED, (MALFORMATIONS,)),
+    Rule(V, "_check_consistency", '"new_block_ids", f"', "new_block_ids has an entry per group",
+         EVERY_STEP, f"{IP}::test_a_field_of_the_wrong_type_is_refused", (IP,)),
+    # checks 2-8 (spec/validate.py plan_step)
+    Rule(V, "plan_step", '"finished_req_ids", "request holds no row"', "a finished request holds a row",
+         "finished and new requests in one step", GENERATED, (EVERY_CLASS,)),
+    Rule(V, "plan_step", '"cached_requests", "request holds no row"', "a cached request holds a row",
+         EVERY_STEP, GENERATED, (EVERY_CLASS,)),
+    Rule(V, "plan_step", "already holds a row", "a new request holds no row yet",
+         EVERY_STEP, GENERATED, (EVERY_CLASS,)),
+    Rule(V, "plan_step", "rows taken", "no more live requests than rows",
+         "every row is held after the step", GENERATED, (EVERY_CLASS,)),
+    Rule(V, "plan_step", "step total", "no more scheduled tokens than the budget",
+         "the step uses the whole token budget", GENERATED, (EVERY_CLASS,)),
+    Rule(V, "plan_step", '"prompt_token_ids", "not a tuple', "a prompt is integer ids",
+         EVERY_STEP, GENERATED, (MALFORMATIONS,)),
+    Rule(V, "plan_step", '"prompt_token_ids", f"{bad[0]}', "prompt ids in the vocabulary",
+         "a prompt id is vocab_size - 1", GENERATED, (EVERY_CLASS,)),
+    Rule(V, "plan_step", '"scheduled_spec_decode_tokens", "not a tuple', "drafts are integer ids",
+         EVERY_STEP, GENERATED, (DRAFT_FAULTS,)),
+    Rule(V, "plan_step", '"scheduled_spec_decode_tokens", f"{bad[0]}', "draft ids in the vocabulary",
+         "a draft id is vocab_size - 1", GENERATED, (DRAFT_FAULTS,)),
+    # the scheduler, as vLLM's, leaves room for a sample, so its valid side at max_model_len is built by hand
+    Rule(V, "plan_step", "len(new.prompt_token_ids)", "a prompt fits max_model_len",
+         AT_MAX_MODEL_LEN, GENERATED, (EVERY_CLASS,)),
+    Rule(V, "plan_step", "> max_model_len", "a step ends at or before max_model_len",
+         AT_MAX_MODEL_LEN, GENERATED, (EVERY_CLASS,)),
+    Rule(V, "plan_step", 'UnknownTokenError(s.req_id, "num_scheduled_tokens"', "every input token is known",
+         "a step ending at the last known token (+ k drafts)", GENERATED, (EVERY_CLASS,)),
+    Rule(V, "plan_step", 'UnknownTokenError(s.req_id, "scheduled_spec_decode_tokens"',
+         "a drafting step ends exactly at known + k", "k drafts on exactly 1 + k scheduled tokens", GENERATED,
+         (DRAFT_FAULTS,)),
+    # checks 9-13 (spec/validate.py, per group)
+    Rule(V, "_check_block_ids", '"not a tuple, list', "block ids are integer ids",
+         EVERY_STEP, GENERATED, (MALFORMATIONS,)),
+    Rule(V, "_check_block_ids", "not in [0,", "block ids in [0, num_blocks)",
+         "a block id num_blocks - 1", GENERATED, (EVERY_CLASS,)),
+    Rule(V, "_check_block_ids", "appears twice", "ids distinct among the live entries (released ones may repeat)",
+         "an id released by the window, live again", GENERATED,
+         (MALFORMATIONS, f"{PIPELINE}::test_a_block_the_window_released_may_come_back_to_the_same_request")),
+    Rule(V, "_check_block_ids", "null block in a group without", "the null block only in windowed groups",
+         "the null block in a windowed table", GENERATED, (EVERY_CLASS,)),
+    Rule(V, "_check_table_sizes", "blocks >", "at most max_blocks_per_req entries",
+         "a table of max_blocks_per_req entries", GENERATED, (EVERY_CLASS,)),
+    Rule(V, "_check_blocks_present", "needs logical block", "a block for every scheduled token",
+         "a step writing its table's last entry", GENERATED, (EVERY_CLASS,)),
+    Rule(V, "_check_null_reads", "null block inside positions", "nothing read or written through the null block",
+         "a null entry just before the first one read", GENERATED,
+         (EVERY_CLASS, f"{BOUNDARIES}::test_a_null_placeholder_appended_by_a_continuing_request_is_never_written")),
+    Rule(V, "_check_unique_slots", "DuplicateSlotError", "no two tokens of a step write one slot",
+         "a block another request holds, written", GENERATED, (EVERY_CLASS,)),
+    # record_sampled (spec/pool.py, spec/drafts.py)
+    Rule(P, "record_sampled", '"batch", detail', "only the batch of the last prepare",
+         EVERY_STEP, GENERATED,
+         (f"{IP}::test_record_sampled_takes_only_the_batch_of_the_last_prepare",
+          "conformance/test_boundaries.py::test_a_copy_of_the_batch_with_its_rows_permuted_is_refused")),
+    Rule(P, "record_sampled", '"sampled_token_ids", detail', "sampled ids of an integer dtype",
+         EVERY_STEP, GENERATED, (SAMPLED, f"{IP}::test_sampled_ids_need_an_integer_dtype")),
+    Rule(D, "accepted_rows", "None, \"sampled_token_ids\", detail", "ids are [num_reqs] or [num_reqs, width]",
+         EVERY_STEP, GENERATED, (SAMPLED,)),
+    Rule(D, "accepted_rows", "rows of ids for", "one row of ids per batch row",
+         EVERY_STEP, GENERATED, (SAMPLED, f"{ERRORS}::test_wrong_number_of_sampled_tokens_is_rejected")),
+    Rule(D, "check_accepted", "no token for a row that samples", "a taking row has a token",
+         "a mid-prefill row beside taking rows", GENERATED, (SAMPLED,)),
+    Rule(D, "check_accepted", "a token after the placeholder", "no token after a row's first placeholder",
+         "1 token kept of a drafting row (none accepted)", GENERATED, (SAMPLED,)),
+    Rule(D, "check_accepted", "InconsistentSchedulerOutputError(req_id, field, detail)",
+         "at most 1 + k tokens, each but the last the drafts' own", "1 + k tokens kept (every draft accepted)",
+         GENERATED, (SAMPLED,)),
+    Rule(D, "check_accepted", "TokenIdError", "kept ids in the vocabulary",
+         "a sampled id vocab_size - 1", GENERATED,
+         (SAMPLED, "conformance/test_boundaries.py::test_a_negative_id_in_the_one_id_per_row_form_is_refused")),
+    Rule(D, "check_accepted", "no room past max_model_len", "kept tokens fit max_model_len",
+         "kept tokens reaching max_model_len",
+         "conformance/test_drafts.py::test_accepted_tokens_past_max_model_len_are_rejected",
+         ("conformance/test_errors.py::test_sampled_token_past_max_model_len_is_rejected",)),
+    # prepare and row_of (spec/pool.py)
+    Rule(P, "prepare", "not the last applied", "prepare only the output applied last",
+         EVERY_STEP, f"{IP}::test_mutating_the_output_after_apply_changes_nothing", (IP,)),
+    Rule(P, "prepare", "is not an integer", "pad_to is an integer",
+         EVERY_STEP, f"{IP}::test_pad_to_that_is_not_an_integer_at_least_the_tokens_is_refused", (IP,)),
+    Rule(P, "prepare", "scheduled tokens", "pad_to is at least the scheduled tokens",
+         EVERY_STEP, f"{IP}::test_pad_to_that_is_not_an_integer_at_least_the_tokens_is_refused", (IP,)),
+    Rule(P, "row_of", "request holds no row", "row_of a request that holds a row",
+         EVERY_STEP, "conformance/test_errors.py::test_row_of_an_unknown_request",
+         ("conformance/test_errors.py::test_row_of_an_unknown_request",)),
+)
