@@ -271,6 +271,8 @@ def attach(target: Any, checker: ShadowChecker | None = None, **checker_kwargs: 
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner  # only when attached
 
     runner = target if isinstance(target, GPUModelRunner) else model_runner_of(target)
+    if not isinstance(runner, GPUModelRunner):  # model runner v2 (vllm/v1/worker/gpu/) builds its inputs otherwise
+        raise UnsupportedVllmConfigError(f"{type(runner).__name__}: slotmap attaches to vLLM's GPUModelRunner (v1)")
     existing = getattr(runner, "_slotmap_shadow", None)
     if existing is not None:
         return existing

@@ -48,3 +48,13 @@ def test_with_slotmap_shadow_set_every_step_of_a_plain_llm_is_checked(
         assert shadow.checker.repro_dir == tmp_path
     finally:
         llm.llm_engine.engine_core.shutdown()
+
+
+def test_the_command_a_user_copies_reports_the_steps_checked(capsys: pytest.CaptureFixture[str]) -> None:
+    from conformance.vllm_attach.__main__ import main
+
+    status = main(["--model", str(MODELS / "llama"), "--requests", "4", "--max-tokens", "6", "--blocks", "32",
+                   "--max-model-len", "256"])  # fmt: skip
+    assert status == 0
+    out = capsys.readouterr().out
+    assert "steps of vLLM's model runner agree with spec (4 requests; KV groups: block size 32)" in out
