@@ -72,12 +72,7 @@ class _Req:
 
     def live_from(self, group: KVCacheGroup) -> int:
         """The first table entry the step reads: entries before it a window released (they may repeat ids)."""
-        return live_from(self.num_computed, group)
-
-
-def live_from(num_computed: int, group: KVCacheGroup) -> int:
-    window = group.sliding_window
-    return 0 if window is None else max(0, num_computed - window + 1) // group.block_size
+        return group.first_live_entry(self.num_computed)
 
 
 class _Ctx:
@@ -359,7 +354,7 @@ def _repeated_block_appended(ctx: _Ctx) -> SchedulerOutput | None:
         for c in ctx.out.cached_requests
         if not c.resumed
         for g in range(ctx.num_groups)
-        for b in ctx.rows[c.req_id].block_ids[g][live_from(c.num_computed_tokens, groups[g]) :]
+        for b in ctx.rows[c.req_id].block_ids[g][groups[g].first_live_entry(c.num_computed_tokens) :]
         if b != NULL_BLOCK_ID
     ]
     if not options:

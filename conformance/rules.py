@@ -64,10 +64,6 @@ def _computed(out: SchedulerOutput) -> dict[str, int]:
     return {r.req_id: int(r.num_computed_tokens) for r in (*out.new_requests, *out.cached_requests)}
 
 
-def _live_from(num_computed: int, window: int | None, block_size: int) -> int:
-    return 0 if window is None else max(0, num_computed - window + 1) // block_size
-
-
 Edge = Callable[[WorkerConfig, Mapping[str, RowSnapshot], SchedulerOutput], bool]
 
 
@@ -109,7 +105,7 @@ def _released_id_again(config: WorkerConfig, rows: Mapping[str, RowSnapshot], ou
     computed = _computed(out)
     for req_id, tables in _tables_after(out, rows, len(config.kv_groups)).items():
         for g, group in enumerate(config.kv_groups):
-            first = _live_from(computed[req_id], group.sliding_window, group.block_size)
+            first = group.first_live_entry(computed[req_id])
             if set(tables[g][:first]) & (set(tables[g][first:]) - {NULL_BLOCK_ID}):
                 return True
     return False
@@ -139,7 +135,7 @@ def _null_just_before_the_window(config: WorkerConfig, rows: Mapping[str, RowSna
     computed = _computed(out)
     for req_id, tables in _tables_after(out, rows, len(config.kv_groups)).items():
         for g, group in enumerate(config.kv_groups):
-            first = _live_from(computed[req_id], group.sliding_window, group.block_size)
+            first = group.first_live_entry(computed[req_id])
             if 0 < first <= len(tables[g]) and tables[g][first - 1] == NULL_BLOCK_ID:
                 return True
     return False

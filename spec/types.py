@@ -58,6 +58,15 @@ class KVCacheGroup:
         if self.num_blocks > 2**31:  # block tables are int32 (BLOCK_ID_DTYPE): the largest id must fit
             raise ValueError(f"KVCacheGroup.num_blocks must be <= 2**31 (int32 block ids), got {self.num_blocks}")
 
+    def first_read(self, num_computed: int) -> int:
+        """The oldest position a step starting at `num_computed` reads: the window's start, or 0 without one."""
+        return 0 if self.sliding_window is None else max(0, num_computed - self.sliding_window + 1)
+
+    def first_live_entry(self, num_computed: int) -> int:
+        """The first table entry such a step reads; the entries before it a window released for good
+        (docs/semantics.md, "Blocks a window released"): they may hold ids the request is handed again."""
+        return self.first_read(num_computed) // self.block_size
+
 
 @dataclass(frozen=True)
 class WorkerConfig:

@@ -372,7 +372,7 @@ def _check_block_ids(state: PoolState, s: _Scheduled, g: int) -> None:
     # Entries before the step's first read are released for good (this and every later step reads past
     # them): vLLM's worker table is append-only and its allocator reuses freed blocks first, so such an
     # entry may hold an id the request is handed again. Ids must be distinct from that entry on.
-    live_from = _first_read(s.num_computed, group.sliding_window) // group.block_size
+    live_from = group.first_live_entry(s.num_computed)
     live = table[live_from:]
     real = np.sort(live[live != NULL_BLOCK_ID])
     if (real[1:] == real[:-1]).any():  # sorted, a repeated id sits next to itself
@@ -401,16 +401,11 @@ def _check_blocks_present(state: PoolState, s: _Scheduled, g: int) -> None:
 
 def _check_null_reads(state: PoolState, s: _Scheduled, g: int) -> None:
     group = state.config.kv_groups[g]
-    first_read = _first_read(s.num_computed, group.sliding_window)
+    first_read = group.first_read(s.num_computed)
     last = s.num_computed + s.num_scheduled - 1
     read = s.tables[g][first_read // group.block_size : last // group.block_size + 1]
     if (read == NULL_BLOCK_ID).any():
         raise NullBlockError(s.req_id, f"block_ids[{g}]", f"null block inside positions {first_read}..{last}")
-
-
-def _first_read(num_computed: int, window: int | None) -> int:
-    """The oldest position the step's first query reads: the window's start, or 0 without a window."""
-    return 0 if window is None else max(0, num_computed - window + 1)
 
 
 def _check_unique_slots(state: PoolState, scheduled: list[_Scheduled]) -> None:

@@ -30,7 +30,7 @@ from conformance.scheduler import ReferenceScheduler, SchedulerKnobs, make_workl
 from conformance.shadow import ShadowChecker
 from slotmap.cli import app
 from slotmap.explore import Recorder, seeded_run, shadow_run, worked_example_run, write_page
-from slotmap.explore.blocks import block_uses, live_from
+from slotmap.explore.blocks import block_uses
 from slotmap.explore.browser import BrowserUnavailableError, find_browser, headless_chromium
 from slotmap.explore.export import export_run
 from slotmap.explore.page import render_page
@@ -127,11 +127,11 @@ def test_a_200_request_page_stays_under_a_mebibyte(tmp_path: Path) -> None:
 # ---- what changed, and the blocks ---------------------------------------------------------------
 
 
-def test_live_from_is_the_first_entry_the_next_query_reads() -> None:
+def test_first_live_entry_is_the_first_entry_the_next_query_reads() -> None:
     window = KVCacheGroup(block_size=4, num_blocks=16, sliding_window=8)
     # num_computed 12: the next query (position 12) reads keys 5..12, so entry 0 (positions 0..3) is released
-    assert [live_from(n, window) for n in (0, 8, 11, 12, 15, 16)] == [0, 0, 1, 1, 2, 2]
-    assert live_from(40, KVCacheGroup(block_size=4, num_blocks=16)) == 0
+    assert [window.first_live_entry(n) for n in (0, 8, 11, 12, 15, 16)] == [0, 0, 1, 1, 2, 2]
+    assert KVCacheGroup(block_size=4, num_blocks=16).first_live_entry(40) == 0
 
 
 def test_block_uses_name_held_shared_released_null_and_stale_blocks() -> None:

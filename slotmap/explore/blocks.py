@@ -1,6 +1,6 @@
 """What each physical block of a KV cache group holds at one step, read from the pool's block tables.
 
-A row's table entries before `live_from` are released: a sliding window has moved past them for good
+A row's table entries before `KVCacheGroup.first_live_entry` are released: a sliding window has moved past them for good
 (the step's first query reads no key before `num_computed - window + 1`, and later steps read even
 less), so the id there is stale and may be handed out again, to another request or to the same one
 (spec/validate.py, check 9; docs/semantics.md). Every other real entry is held by its row. A block
@@ -16,13 +16,6 @@ from dataclasses import dataclass, field
 from spec.types import NULL_BLOCK_ID, KVCacheGroup, PoolSnapshot, RowSnapshot
 
 NULL, HELD, SHARED, RELEASED, STALE = "null", "held", "shared", "released", "stale"
-
-
-def live_from(num_computed: int, group: KVCacheGroup) -> int:
-    """The first table entry a row's next query may read; entries before it are released (0 without a window)."""
-    if group.sliding_window is None:
-        return 0
-    return max(0, num_computed - group.sliding_window + 1) // group.block_size
 
 
 @dataclass
@@ -55,7 +48,7 @@ def block_uses(
             use = uses.setdefault(block, BlockUse(block))
             if row.req_id in preempted:
                 use.stale.append((row.req_id, logical))
-            elif logical < live_from(row.num_computed_tokens, group) or block == NULL_BLOCK_ID:
+            elif logical < group.first_live_entry(row.num_computed_tokens) or block == NULL_BLOCK_ID:
                 use.released.append((row.req_id, logical))
             else:
                 use.holders.append((row.req_id, logical))
@@ -64,4 +57,4 @@ def block_uses(
 
 def released_entries(row: RowSnapshot, g: int, group: KVCacheGroup) -> int:
     """How many of the row's first table entries a window has released."""
-    return min(live_from(row.num_computed_tokens, group), len(row.block_ids[g]))
+    return min(group.first_live_entry(row.num_computed_tokens), len(row.block_ids[g]))
