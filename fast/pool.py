@@ -39,22 +39,23 @@ from typing import Any
 
 import numpy as np
 import torch
-from numba import njit
 
 from fast.batch import batch_order
-from fast.flatten import flatten, ranges
+from fast.drafts import batch_drafts, draft_columns, draft_positions
+from fast.flatten import flatten
 from fast.kernels.prepare import prepare_triton
 from fast.runtime import interpret, interpret_enabled, use_triton
+from fast.sampled import append_accepted, append_sampled, as_int64_ids, check_accepted, check_sampled
 from fast.slots import gather_block_tables, slot_mapping
-from fast.state import DeviceState, write_prompts
+from fast.state import DeviceState, HostMirror, write_prompts
 from fast.validate import last_released_entries, plan_bulk_step
-from fast.writes import apply_writes, draft_columns, step_writes, upload
-from spec.drafts import DraftLogits, accepted_rows, check_accepted, draft_logits
+from fast.writes import apply_writes, step_writes, upload
+from spec import drafts as spec_drafts
+from spec.drafts import DraftLogits, accepted_rows, draft_logits
 from spec.errors import InconsistentSchedulerOutputError, ModelLengthError, TokenIdError, UnknownRequestError
-from spec.state import PoolState, StepPlan
+from spec.state import PoolState, StepPlan, ranges
 from spec.types import (
     INDEX_DTYPE,
-    PLACEHOLDER_TOKEN_ID,
     BatchInputs,
     PoolSnapshot,
     RowSnapshot,
@@ -73,7 +74,7 @@ class RequestStatePool:
         self._interpret = interpret_enabled()
         if not self._triton and self.device.type != "cpu":
             raise ValueError(f"fast runs on CUDA (Triton) or CPU tensors, not {self.device}")
-        self.state = PoolState(config)  # host mirror: validation and batch order read only this
+        self.state: PoolState = HostMirror(config)  # validation and batch order read only this
         self.dev = DeviceState(config, self.device, mirror=None if self._triton else self.state)
         # per sliding-window group [R]: last released entry of each row's table (fast.validate.last_released_entries)
         self._released_tails: list[np.ndarray | None] = [
@@ -85,7 +86,7 @@ class RequestStatePool:
         self._prepared: BatchInputs | None = None  # the batch record_sampled may take
         self._prepared_rows_np = np.zeros(0, np.int64)  # [num_reqs] its batch_idx -> req_state_idx
         self._prepared_seq_lens_np = np.zeros(0, np.int64)  # [num_reqs] its seq_lens
-        self._prepared_drafts: list[np.ndarray] | None = None  # [num_reqs] its drafts per batch row; None: none
+        self._prepared_drafts: tuple[np.ndarray, np.ndarray] | None = None  # its batch_drafts; None: none
         # plain CPU: the buffers the batches' tensors view, reused step after step (grown when a step needs more)
         self._out32 = np.zeros(0, np.int32)
         self._out64 = np.zeros(0, np.int64)
@@ -106,7 +107,7 @@ class RequestStatePool:
         state, dev = self.state, self.dev
         longest = int(plan.prompt_lens.max()) if plan.prompt_lens.size else 0
         if plan.num_drafts is not None:  # drafts go past the known tokens: room for them too
-            longest = max(longest, int((draft_columns(state, plan) + plan.num_drafts).max()))
+            longest = max(longest, int((draft_columns(plan, plan.num_drafts) + plan.num_drafts).max()))
         dev.reserve_tokens(longest)
         writes = None if dev.shared else step_writes(state, plan)  # needs the mirror as it was
         state.commit(plan)
@@ -119,18 +120,7 @@ class RequestStatePool:
             if plan.new_rows.size:
                 write_prompts(dev.token_ids_np, plan.new_rows, plan.prompt_lens, plan.prompt_tokens)
             if plan.num_drafts is not None:
-                self._store_drafts(plan.num_drafts, plan)
-
-    def _store_drafts(self, num_drafts: np.ndarray, plan: StepPlan) -> None:
-        """Each drafting request's drafts into the token storage at positions known .. known + k - 1.
-
-        They are not known tokens (num_tokens stays): snapshot never shows them, and the accepted tokens
-        of record_sampled (or the next step's drafts) overwrite them.
-        """
-        drafting = np.flatnonzero(num_drafts)  # [d] scheduler order
-        which, within = ranges(num_drafts[drafting])  # [num_drafts] each draft's request, its index there
-        rows = plan.rows[drafting]  # [d] req_state_idx
-        self._store_tokens(rows[which], self.state.num_known_tokens[rows][which] + within, plan.draft_ids)
+                self._store_tokens(*draft_positions(plan, plan.num_drafts), plan.draft_ids)
 
     def _refresh_released_tails(self, plan: StepPlan) -> None:
         """Rows whose tables changed get new tails (an append may hand back an id a window released)."""
@@ -164,9 +154,8 @@ class RequestStatePool:
                 batch = self._prepare_kernel(req_ids, rows, num_scheduled, cu_num_tokens, padded)
         drafts = None
         if plan.num_drafts is not None:  # input ids are right already (apply stored the drafts): add the indices
-            drafts = _batch_drafts(plan.num_drafts, plan.draft_ids, order)
-            draft_ids = np.concatenate([np.zeros(0, np.int32), *drafts])  # [num_drafts] batch order
-            sampler = draft_logits(np.concatenate([[0], cu_num_tokens]), _counts(drafts), draft_ids)
+            drafts = batch_drafts(plan.num_drafts, plan.draft_ids, order)  # [num_reqs], [num_drafts] batch order
+            sampler = draft_logits(np.concatenate([[0], cu_num_tokens]), *drafts)
             batch = dataclasses.replace(batch, **self._sampler_tensors(sampler))
         self._prepared_drafts = drafts
         self._prepared = batch
@@ -293,7 +282,7 @@ class RequestStatePool:
         rows, seq_lens, num_tokens = self._prepared_rows_np, self._prepared_seq_lens_np, self.state.num_known_tokens
         takes = np.empty(rows.size, np.int64)  # [k] batch_idx of the rows that reached their last token
         vocab, max_len = self.config.vocab_size, self.config.max_model_len
-        bad, count, longest = _check_sampled(rows, seq_lens, num_tokens, sampled, vocab, max_len, takes)
+        bad, count, longest = check_sampled(rows, seq_lens, num_tokens, sampled, vocab, max_len, takes)
         if bad >= 0:  # spec's order: the first taking row with a fault, the id checked before the length
             req_id, token = batch.req_ids[bad], int(sampled[bad])
             if not 0 <= token < vocab:
@@ -302,7 +291,7 @@ class RequestStatePool:
         if count:
             self.dev.reserve_tokens(longest + 1)
             if self.dev.token_ids_np is not None:
-                _append_sampled(rows, takes[:count], num_tokens, sampled, self.dev.token_ids_np)
+                append_sampled(rows, takes[:count], num_tokens, sampled, self.dev.token_ids_np)
             else:
                 taking_rows = rows[takes[:count]]
                 self._store_tokens(taking_rows, num_tokens[taking_rows], sampled[takes[:count]])
@@ -312,41 +301,38 @@ class RequestStatePool:
     def _record_accepted(self, batch: BatchInputs, sampled: np.ndarray) -> None:
         """The accepted tokens of a step with drafts (or ids given as [num_reqs, width]): spec/drafts.py's rules.
 
-        Every row's faults are found at once; the first faulty taking row then goes through spec's own
+        Every taking row is checked in one compiled pass; the first faulty one then goes through spec's own
         check, which raises the class spec raises for it.
         """
-        tokens, counts = accepted_rows(sampled, batch.num_reqs)  # [n, width], [n]
-        rows, seq_lens = self._prepared_rows_np, self._prepared_seq_lens_np
-        drafts = self._prepared_drafts or [np.zeros(0, np.int32)] * batch.num_reqs  # [n] per batch row
-        num_drafts = _counts(drafts)  # [n]
-        known = self.state.num_known_tokens[rows]  # [n]
-        takes = seq_lens == known + num_drafts  # [n]
-        width = tokens.shape[1]
-        column = np.arange(width)[None, :]  # [1, width]
-        kept = column < counts[:, None]  # [n, width]
-        # the drafts laid out as the rows' tokens, so that token j of a row is compared with draft j
-        draft_cols = np.full((batch.num_reqs, width), PLACEHOLDER_TOKEN_ID, np.int64)
-        which, within = ranges(num_drafts)
-        inside = within < width
-        draft_cols[which[inside], within[inside]] = np.concatenate([np.zeros(0, np.int32), *drafts])[inside]
-        faults = (
-            (counts == 0)
-            | (~kept & (tokens != PLACEHOLDER_TOKEN_ID)).any(axis=1)  # a gap
-            | (counts > 1 + num_drafts)
-            | (kept & ((tokens < 0) | (tokens >= self.config.vocab_size))).any(axis=1)
-            | ((column < counts[:, None] - 1) & (tokens != draft_cols)).any(axis=1)  # not the drafts' prefix
-            | (known + counts > self.config.max_model_len)
+        tokens_in, counts = accepted_rows(sampled, batch.num_reqs)  # [n, width], [n]
+        vocab, max_len = self.config.vocab_size, self.config.max_model_len
+        tokens = as_int64_ids(tokens_in, vocab)
+        rows, seq_lens, num_known = self._prepared_rows_np, self._prepared_seq_lens_np, self.state.num_known_tokens
+        num_drafts, draft_ids = self._prepared_drafts or (np.zeros(rows.size, np.int64), _NO_DRAFTS)
+        takes = np.empty(rows.size, np.int64)  # [k] batch_idx of the taking rows
+        checked = check_accepted(
+            rows, seq_lens, num_known, num_drafts, draft_ids, tokens, counts, vocab, max_len, takes
         )
-        faulty = np.flatnonzero(takes & faults)
-        if faulty.size:
-            b = int(faulty[0])
-            check_accepted(batch.req_ids[b], tokens[b], int(counts[b]), drafts[b], int(known[b]), self.config)
-            raise AssertionError(f"record_sampled: row {b} looked faulty but spec's check accepts it")
-        taking = np.flatnonzero(takes)
-        which, within = ranges(counts[taking])
-        if which.size:
-            self._store_tokens(rows[taking][which], known[taking][which] + within, tokens[taking[which], within])
-            self.state.num_known_tokens[rows[taking]] += counts[taking]
+        bad, count, longest = checked
+        if bad >= 0:
+            first = int(num_drafts[:bad].sum())
+            drafts = draft_ids[first : first + num_drafts[bad]]
+            known = int(num_known[rows[bad]])
+            spec_drafts.check_accepted(batch.req_ids[bad], tokens_in[bad], int(counts[bad]), drafts, known, self.config)
+            raise AssertionError(f"record_sampled: row {bad} looked faulty but spec's check accepts it")
+        if not count:
+            return
+        self.dev.reserve_tokens(longest)
+        taking = takes[:count]
+        if self.dev.token_ids_np is not None:
+            append_accepted(rows, taking, tokens, counts, num_known, self.dev.token_ids_np)
+        else:
+            which, within = ranges(counts[taking])
+            taking_rows = rows[taking]
+            self._store_tokens(
+                taking_rows[which], num_known[taking_rows][which] + within, tokens[taking[which], within]
+            )
+            num_known[taking_rows] += counts[taking]
 
     def _store_tokens(
         self,
@@ -404,56 +390,10 @@ class RequestStatePool:
         )
 
 
+_NO_DRAFTS = np.zeros(0, np.int32)
+
+
 def _host_array(x: object) -> np.ndarray:
     if isinstance(x, torch.Tensor):
         return x.detach().cpu().numpy()
     return np.asarray(x)
-
-
-def _batch_drafts(num_drafts: np.ndarray, draft_ids: np.ndarray, order: np.ndarray | None) -> list[np.ndarray]:
-    """[num_reqs] each batch row's drafts, from the plan's (scheduler order) counts and ids."""
-    ends = np.cumsum(num_drafts).tolist()
-    per_request = [draft_ids[end - k : end] for k, end in zip(num_drafts.tolist(), ends, strict=True)]
-    return per_request if order is None else [per_request[i] for i in order.tolist()]
-
-
-def _counts(drafts: list[np.ndarray]) -> np.ndarray:
-    return np.array([d.size for d in drafts], np.int64)
-
-
-@njit(cache=True, nogil=True)
-def _check_sampled(  # pragma: no cover - compiled; tested through record_sampled against spec
-    rows: np.ndarray,  # [n] int64 batch_idx -> req_state_idx
-    seq_lens: np.ndarray,  # [n] int64 as prepared
-    num_tokens: np.ndarray,  # [R] int64 known tokens per row
-    sampled: np.ndarray,  # [n] integer ids
-    vocab: int,
-    max_len: int,
-    takes: np.ndarray,  # [n] int64 out: batch_idx of each row that takes its sample
-) -> tuple[int, int, int]:
-    """(first faulty taking batch row or -1, rows that take their sample, the longest of them before)."""
-    count, longest = 0, 0
-    for b in range(rows.shape[0]):
-        known = num_tokens[rows[b]]
-        if seq_lens[b] != known:
-            continue  # still mid-prefill: its sample is discarded
-        if sampled[b] < 0 or sampled[b] >= vocab or known >= max_len:
-            return b, count, longest
-        takes[count] = b
-        count += 1
-        longest = max(longest, known)
-    return -1, count, longest
-
-
-@njit(cache=True, nogil=True)
-def _append_sampled(  # pragma: no cover - compiled; tested through record_sampled against spec
-    rows: np.ndarray,  # [n] int64 batch_idx -> req_state_idx
-    takes: np.ndarray,  # [k] int64 batch_idx of the rows taking their sample
-    num_tokens: np.ndarray,  # [R] int64, advanced here
-    sampled: np.ndarray,  # [n] validated ids
-    token_ids: np.ndarray,  # [R, capacity] int32 (room reserved)
-) -> None:
-    for b in takes:
-        row = rows[b]
-        token_ids[row, num_tokens[row]] = sampled[b]
-        num_tokens[row] += 1

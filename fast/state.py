@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from numba import njit
 
-from spec.state import PoolState
+from spec.state import PoolState, TableWrites
 from spec.types import NULL_BLOCK_ID, WorkerConfig
 
 _MIN_TOKEN_CAPACITY = 256
@@ -101,6 +101,14 @@ class DeviceState:
     def table(self, group: int) -> torch.Tensor:
         """Group g's persistent block table, [R, max_blocks_per_req(g)] int32, sharing `tables`' memory."""
         return self._table_views[group]
+
+
+class HostMirror(PoolState):
+    """spec's PoolState with its table writes compiled: the same commit, without a dozen NumPy calls per group."""
+
+    def write_table(self, g: int, writes: TableWrites) -> None:
+        w = writes
+        write_tables(self.block_tables[g], self.num_blocks[g], w.rows, w.starts, w.lengths, w.ids, w.replaced)
 
 
 @njit(cache=True, nogil=True)

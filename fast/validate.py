@@ -1,23 +1,25 @@
-"""Stage 2 on the host: the scheduler output read once, checked with NumPy over all requests at once.
+"""Stage 2 on the host: the scheduler output read once, every check made in compiled passes over all requests.
 
 spec.validate.plan_step is the definition: it walks requests in Python and names the exact error.
-`plan_bulk_step` checks the same thirteen conditions vectorised. It never raises: it returns None when
-the output has a shape it does not cover (a resumed request, NumPy scalars for counts, a block written
-by two requests, ...) or when any check fails, and the pool then runs plan_step, which raises spec's
-error in spec's order or accepts the step (`from_spec_plan` turns that into the same StepPlan). So a
-step accepted here is one plan_step accepts, with the same effect.
+`plan_bulk_step` checks the same thirteen conditions, drafts included (spec/drafts.py), with a few NumPy
+calls and Numba-compiled loops. It never raises: it returns None when the output has a shape it does not
+cover (a resumed request, NumPy scalars for counts, a block written by two requests, ...) or when any
+check fails, and the pool then runs plan_step, which raises spec's error in spec's order or accepts the
+step. Both return the same spec.state.StepPlan, so a step accepted here is one plan_step accepts, with
+the same effect.
 
 Each Python object of the output is read once: the cached requests' fields in one pass (or not at all
 when they come as spec.types.CachedRequestColumns), each prompt converted once (array('i'), which also
-refuses floats and values past int32 as spec's `operator.index` reading does), and what the checks read
-(rows, counts, the new tables) is what the commit and prepare use.
+refuses floats and values past int32 as spec's `operator.index` reading does), the drafts in one pass,
+and what the checks read (rows, counts, the new tables) is what the commit and prepare use.
 
 It relies on invariants of the pool state that plan_step and the commit establish:
 - every committed table passed the block-id checks, so only appended ids need checking against it,
   unless a released entry (see last_released_entries) lies in the step's live part;
 - entries past a row's block count are NULL_BLOCK_ID and appended ids are >= 1, so an appended id can
   be compared with the row's stored entries without masking;
-- num_tokens[row] <= max_model_len, so seq_len <= num_tokens (check 8) implies check 7.
+- num_known_tokens[row] <= max_model_len, so a step without drafts that reads only known tokens
+  (check 8) passes check 7; a drafting request's end is checked against max_model_len itself.
 Check 13 (no slot written twice) is made per block: tokens of one request never share a slot (the
 blocks it writes are live entries, which are distinct), so if no physical block is written by two
 requests no slot is. A block written by two requests (legal when their offsets differ) goes to
@@ -33,7 +35,7 @@ from typing import Any
 import numpy as np
 from numba import njit
 
-from spec.state import PoolState, StepPlan, TableWrites
+from spec.state import PoolState, StepPlan, TableWrites, ranges
 from spec.types import CachedRequest, CachedRequestColumns, NewRequest, SchedulerOutput
 
 _SEQUENCES = (tuple, list)
@@ -48,8 +50,6 @@ def plan_bulk_step(
 ) -> StepPlan | None:
     config = state.config
     scheduled, new, finished = sched.num_scheduled_tokens, sched.new_requests, sched.finished_req_ids
-    if sched.scheduled_spec_decode_tokens:  # drafts: plan_step decides
-        return None
     if type(scheduled) is not dict or type(new) not in _SEQUENCES or type(finished) not in (frozenset, set):
         return None
     cached = _read_cached(sched.cached_requests)
@@ -75,7 +75,7 @@ def plan_bulk_step(
     else:
         if len(set(keys)) != len(keys) or set(keys) != {*cached_ids, *new_ids}:
             return None
-        index = {r: i for i, r in enumerate(keys)}
+        index = _positions(keys)
         cached_at = np.fromiter(map(index.__getitem__, cached_ids), np.int64, n)  # type: ignore[assignment]
         new_at = np.fromiter(map(index.__getitem__, new_ids), np.int64, num_new)  # type: ignore[assignment]
     row_of = state.row_of
@@ -93,13 +93,20 @@ def plan_bulk_step(
         freed_rows, new_rows = freed_new
     else:
         freed_rows = new_rows = _EMPTY
+    drafts = _read_drafts(sched.scheduled_spec_decode_tokens, keys, config.vocab_size)
+    if drafts is None:
+        return None
+    num_drafts, draft_ids = drafts
+    cached_drafts = _EMPTY if num_drafts is None else num_drafts[cached_at]
     last = np.empty(n, np.int64)  # [n] last position each cached request writes
-    if not _check_progress(rows, num_computed, num_scheduled[cached_at], state.num_known_tokens, last):
+    limits = (config.max_model_len, state.num_known_tokens)
+    if not _check_progress(rows, num_computed, num_scheduled[cached_at], cached_drafts, *limits, last):
         return None
     appends = _appended_ids(new_blocks, n, len(config.kv_groups))
     if appends is None:
         return None
-    prompts = _check_new_requests(state, new, num_scheduled[new_at]) if num_new else _NO_NEW
+    new_drafts = None if num_drafts is None else num_drafts[new_at]
+    prompts = _check_new_requests(state, new, num_scheduled[new_at], new_drafts) if num_new else _NO_NEW
     if prompts is None:
         return None
     new_computed, prompt_lens, prompt_tokens, new_writes, new_written = prompts
@@ -133,9 +140,51 @@ def plan_bulk_step(
         rows=sched_rows,
         num_scheduled=num_scheduled,
         num_computed=sched_computed,
-        num_drafts=None,
-        draft_ids=_NO_TOKENS,
+        num_drafts=num_drafts,
+        draft_ids=draft_ids,
     )
+
+
+def _positions(keys: list[str]) -> dict[str, int]:
+    """req_id -> its index in the scheduler order."""
+    return {r: i for i, r in enumerate(keys)}
+
+
+def _read_drafts(
+    drafts: Any,  # sched.scheduled_spec_decode_tokens
+    keys: list[str],  # [n] scheduler order, distinct str
+    vocab_size: int,
+) -> tuple[np.ndarray | None, np.ndarray] | None:
+    """Checks 1 and 6 of the drafts: (num_drafts [n] scheduler order or None when nobody drafts, draft ids int32)."""
+    if type(drafts) is not dict:
+        return None
+    if not drafts:
+        return None, _NO_TOKENS
+    draft_keys = list(drafts)
+    joined = _joined_ids(list(drafts.values()), "i")
+    if joined is None:
+        return None
+    lengths, ids = joined
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+        return None
+    if not ids.size:  # every request lists no drafts: a step without drafts
+        return (None, _NO_TOKENS) if set(draft_keys) <= set(keys) else None
+    num_drafts = np.zeros(len(keys), np.int64)  # [n] scheduler order
+    if draft_keys == keys:  # every scheduled request drafts, in the scheduler's order
+        num_drafts[:] = lengths
+        return num_drafts, ids
+    index = _positions(keys)
+    try:
+        at = np.fromiter(map(index.__getitem__, draft_keys), np.int64, len(draft_keys))  # not scheduled: KeyError
+    except (KeyError, TypeError):
+        return None
+    num_drafts[at] = lengths
+    if (at[1:] > at[:-1]).all():  # listed in the scheduler's order: the ids are too
+        return num_drafts, ids
+    order = np.argsort(at)  # the listed requests in the scheduler's order
+    starts = np.cumsum(lengths) - lengths
+    which, within = ranges(lengths[order])
+    return num_drafts, ids[starts[order][which] + within]
 
 
 def _read_cached(cached: Any) -> tuple[list[str], Any, list[Any] | None] | None:
@@ -197,10 +246,11 @@ def _check_new_requests(
     state: PoolState,
     new: tuple[NewRequest, ...] | list[NewRequest],  # [k]
     num_scheduled: np.ndarray,  # [k] >= 1
+    num_drafts: np.ndarray | None,  # [k] drafts of each, or None: nobody drafts
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[TableWrites], list[np.ndarray]] | None:
-    """Checks 6-12 for the new requests. Returns their num_computed_tokens [k], prompt lengths [k], prompt
-    tokens [sum] int32, per group their tables (as TableWrites, rows left to the caller) and the physical
-    blocks their tokens write."""
+    """Checks 6-12 for the new requests (and 1 and 8 for their drafts). Returns their num_computed_tokens [k],
+    prompt lengths [k], prompt tokens [sum] int32, per group their tables (as TableWrites, rows left to the
+    caller) and the physical blocks their tokens write."""
     config = state.config
     k, num_groups = len(new), len(config.kv_groups)
     fields = [(r.prompt_token_ids, r.block_ids, r.num_computed_tokens) for r in new]
@@ -217,7 +267,15 @@ def _check_new_requests(
         return None
     num_computed = np.array(computed_in, np.int64)
     last = num_computed + num_scheduled - 1  # [k] last position written
-    if num_computed.min() < 0 or (last >= prompt_lens).any():
+    if num_drafts is None:
+        known_end = prompt_lens  # [k] past the last input token each may read
+    else:  # a drafting request's step ends at its last draft, and holds its last known token first
+        known_end = prompt_lens + num_drafts
+        drafting = num_drafts > 0
+        misplaced = (last != known_end - 1) | (last >= config.max_model_len) | (num_scheduled < 1 + num_drafts)
+        if (drafting & misplaced).any():
+            return None
+    if num_computed.min() < 0 or (last >= known_end).any():
         return None
     writes, written = [], []
     for g, group in enumerate(config.kv_groups):
@@ -372,13 +430,19 @@ def _check_progress(  # pragma: no cover - compiled; tested through plan_bulk_st
     rows: np.ndarray,  # [n] int64 req_state_idx
     num_computed: np.ndarray,  # [n] int64 as the scheduler says
     num_scheduled: np.ndarray,  # [n] int64
-    num_tokens: np.ndarray,  # [R] int64 known tokens per row
+    num_drafts: np.ndarray,  # [n] int64 drafts of each request, or empty: nobody drafts
+    max_model_len: int,
+    num_known: np.ndarray,  # [R] int64 known tokens per row
     last: np.ndarray,  # [n] int64 out: last position each writes
 ) -> bool:
-    """num_computed >= 0 and every position written is a known token (which also bounds it by max_model_len)."""
+    """Checks 1, 7 and 8 of the cached requests: num_computed >= 0, every position written a known token
+    (which bounds it by max_model_len) or one of the request's drafts, which follow its last known token."""
     for i in range(rows.shape[0]):
         last[i] = num_computed[i] + num_scheduled[i] - 1
-        if num_computed[i] < 0 or last[i] >= num_tokens[rows[i]]:
+        k = num_drafts[i] if num_drafts.shape[0] else 0
+        if num_computed[i] < 0 or last[i] >= num_known[rows[i]] + k:
+            return False
+        if k and (last[i] != num_known[rows[i]] + k - 1 or last[i] >= max_model_len or num_scheduled[i] < 1 + k):
             return False
     return True
 

@@ -20,9 +20,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from fast.flatten import ranges
+from fast.drafts import draft_columns
 from fast.kernels.apply_writes import apply_writes_triton
 from fast.state import DeviceState
+from spec.state import ranges
 
 if TYPE_CHECKING:
     from spec.state import PoolState, StepPlan, TableWrites
@@ -111,7 +112,7 @@ def step_writes(state: PoolState, plan: StepPlan) -> StepWrites:
     if plan.num_drafts is not None:
         drafting = np.flatnonzero(plan.num_drafts)  # [d] scheduler order
         rows = np.concatenate([rows, plan.rows[drafting]])
-        columns = np.concatenate([columns, draft_columns(state, plan)[drafting]])
+        columns = np.concatenate([columns, draft_columns(plan, plan.num_drafts)[drafting]])
         lengths = np.concatenate([lengths, plan.num_drafts[drafting]])
         token_data.append(plan.draft_ids.astype(np.int64))
     token_ops = np.stack([rows, columns, lengths, data_len + lengths.cumsum() - lengths], axis=1)
@@ -125,19 +126,6 @@ def step_writes(state: PoolState, plan: StepPlan) -> StepWrites:
         computed=computed.reshape(-1, COMPUTED_FIELDS),
         data=np.concatenate([*data, *token_data]),
     )
-
-
-def draft_columns(state: PoolState, plan: StepPlan) -> np.ndarray:
-    """[n] scheduler order: the column where each scheduled request's drafts start, its known tokens after the step.
-
-    Read before the commit: a new request knows its prompt (its row may still hold a finished request's count).
-    """
-    known = state.num_known_tokens[plan.rows].copy()  # [n]
-    new_lengths = dict(zip(plan.new_rows.tolist(), plan.prompt_lens.tolist(), strict=True))
-    for i, row in enumerate(plan.rows.tolist()):
-        if row in new_lengths:
-            known[i] = new_lengths[row]
-    return known
 
 
 def _segments(writes: TableWrites, keep: np.ndarray) -> np.ndarray:

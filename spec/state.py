@@ -99,14 +99,24 @@ class PoolState:
             self.num_blocks[:, freed] = 0
             for table in self.block_tables:
                 table[freed] = NULL_BLOCK_ID  # no stale ids survive into the next owner's row
-        for row, req_id in zip(plan.new_rows.tolist(), plan.new_req_ids, strict=True):
-            self.req_ids[row] = req_id
-            self.row_of[req_id] = row
-        self.num_known_tokens[plan.new_rows] = plan.prompt_lens
-        for table, num_blocks, writes in zip(self.block_tables, self.num_blocks, plan.tables, strict=True):
+        if plan.new_rows.size:
+            for row, req_id in zip(plan.new_rows.tolist(), plan.new_req_ids, strict=True):
+                self.req_ids[row] = req_id
+                self.row_of[req_id] = row
+            self.num_known_tokens[plan.new_rows] = plan.prompt_lens
+        for g, writes in enumerate(plan.tables):
             if writes.rows.size:
-                table[writes.rows[writes.replaced]] = NULL_BLOCK_ID
-                which, within = ranges(writes.lengths)  # [sum(lengths)] each id's row, its place after the start
-                table[writes.rows[which], writes.starts[which] + within] = writes.ids
-                num_blocks[writes.rows] = writes.starts + writes.lengths
+                self.write_table(g, writes)
         self.num_computed_tokens[plan.rows] = plan.num_computed
+
+    def write_table(self, g: int, writes: TableWrites) -> None:
+        """One group's table changes: replaced tables cleared, then every row's ids from its start on.
+
+        The one step of the commit whose cost grows with the step's appends: a backend may override it
+        with a compiled loop of the same effect (fast.state.HostMirror).
+        """
+        table = self.block_tables[g]
+        table[writes.rows[writes.replaced]] = NULL_BLOCK_ID
+        which, within = ranges(writes.lengths)  # [sum(lengths)] each id's row, its place after the row's start
+        table[writes.rows[which], writes.starts[which] + within] = writes.ids
+        self.num_blocks[g, writes.rows] = writes.starts + writes.lengths

@@ -6,6 +6,7 @@ decode-step breakages below (invalid); spec.validate.plan_step is the judge of e
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import replace
 from typing import Any
@@ -17,6 +18,7 @@ import fast
 import spec
 from conformance.backends import BATCH_ARRAY_FIELDS
 from conformance.differential import one_torch_thread
+from conformance.driving import sampled_array
 from conformance.mutations import break_output
 from conformance.scenario import random_scenario
 from conformance.scheduler import ReferenceScheduler
@@ -39,7 +41,7 @@ from spec.errors import (
     UnknownRequestError,
     UnknownTokenError,
 )
-from spec.state import PoolState
+from spec.state import PoolState, StepPlan, TableWrites
 from spec.types import CachedRequest, KVCacheGroup, NewRequest, SchedulerOutput, WorkerConfig
 from spec.validate import plan_step
 
@@ -132,7 +134,7 @@ def test_bulk_path_agrees_with_plan_step(seed: int) -> None:
 
 
 def _agree(seed: int) -> None:
-    scenario = random_scenario(seed)
+    scenario = random_scenario(seed, spec_decode=seed % 2 == 1)  # odd seeds draft: their breakages too
     config = scenario.config
     scheduler = ReferenceScheduler(config, scenario.workload, scenario.knobs, scenario.seed)
     spec_pool, fast_pool = spec.RequestStatePool(config), fast.RequestStatePool(config)
@@ -157,10 +159,12 @@ def _agree(seed: int) -> None:
         batch_spec, batch_fast = spec_pool.prepare(out), fast_pool.prepare(out)
         previous = (batch_fast, {name: to_numpy(getattr(batch_fast, name)).copy() for name in _BATCH_ARRAYS})
         takes = scheduler.sampling_req_ids(out)
-        sampled = np.array([rng.randrange(config.vocab_size) for _ in batch_spec.req_ids], np.int64)
+        drawn = {r: rng.randrange(config.vocab_size) for r in batch_spec.req_ids}
+        kept = scheduler.rejection_step(out, {r: t for r, t in drawn.items() if r in takes})
+        sampled = sampled_array([kept.get(r, t) for r, t in drawn.items()])
         spec_pool.record_sampled(batch_spec, sampled)
         fast_pool.record_sampled(batch_fast, sampled)
-        scheduler.update(out, {r: int(t) for r, t in zip(batch_spec.req_ids, sampled, strict=True) if r in takes})
+        scheduler.update(out, kept)
         assert fast_pool.snapshot() == spec_pool.snapshot()
         steps += 1
     assert steps > 0
@@ -374,3 +378,44 @@ def _apply_to_both(spec_pool: Any, fast_pool: Any, sched: Any, error: Any) -> No
     with pytest.raises(error) as got:
         fast_pool.apply(sched)
     assert type(got.value) is type(want.value) and str(got.value) == str(want.value)
+
+
+def _assert_plans_equal(got: StepPlan, want: StepPlan) -> None:
+    for f in dataclasses.fields(StepPlan):
+        a, b = getattr(got, f.name), getattr(want, f.name)
+        if f.name == "tables":
+            for g, (x, y) in enumerate(zip(a, b, strict=True)):
+                for t in dataclasses.fields(TableWrites):
+                    np.testing.assert_array_equal(getattr(x, t.name), getattr(y, t.name), err_msg=f"{g} {t.name}")
+        elif isinstance(b, np.ndarray) or isinstance(a, np.ndarray):
+            assert a is not None and b is not None, f.name
+            assert a.dtype == b.dtype, f.name
+            np.testing.assert_array_equal(a, b, err_msg=f.name)
+        else:
+            assert a == b, f.name
+
+
+def test_drafting_steps_take_the_bulk_path_with_plan_steps_plan() -> None:
+    """Drafting steps (the reference scheduler with spec_tokens) are planned by the compiled checks, as spec plans them."""
+    drafting = 0
+    for seed in range(12):
+        scenario = random_scenario(seed, spec_decode=True)
+        knobs = replace(scenario.knobs, spec_tokens=3)
+        scheduler = ReferenceScheduler(scenario.config, scenario.workload, knobs, scenario.seed)
+        pool = spec.RequestStatePool(scenario.config)
+        for _ in range(MAX_STEPS):
+            if scheduler.done():
+                break
+            out = scheduler.schedule()
+            if out.num_scheduled_tokens and not any(c.resumed for c in out.cached_requests):
+                plan = plan_bulk_step(pool.state, out)
+                assert plan is not None, out
+                _assert_plans_equal(plan, plan_step(pool.state, out))
+                drafting += plan.num_drafts is not None
+            pool.apply(out)
+            batch = pool.prepare(out)
+            takes = scheduler.sampling_req_ids(out)
+            kept = scheduler.rejection_step(out, {r: 1 for r in batch.req_ids if r in takes})
+            pool.record_sampled(batch, sampled_array([kept.get(r, 1) for r in batch.req_ids]))
+            scheduler.update(out, kept)
+    assert drafting >= 20
