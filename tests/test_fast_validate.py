@@ -396,7 +396,7 @@ def _assert_plans_equal(got: StepPlan, want: StepPlan) -> None:
 
 
 def test_drafting_steps_take_the_bulk_path_with_plan_steps_plan() -> None:
-    """Drafting steps (the reference scheduler with spec_tokens) are planned by the compiled checks, as spec plans them."""
+    """Drafting steps (the reference scheduler with spec_tokens): the compiled checks plan them as spec does."""
     drafting = 0
     for seed in range(12):
         scenario = random_scenario(seed, spec_decode=True)
