@@ -243,6 +243,7 @@ def _spec_decode_arrays(meta: Any) -> dict[str, np.ndarray]:
     return {
         "num_draft_tokens": np.asarray(meta.num_draft_tokens, np.int64),
         "cu_num_draft_tokens": _host(meta.cu_num_draft_tokens),
+        "cu_num_sampled_tokens": _host(meta.cu_num_sampled_tokens),
         "draft_token_ids": _host(meta.draft_token_ids),
         "target_logits_indices": _host(meta.target_logits_indices),
         "bonus_logits_indices": _host(meta.bonus_logits_indices),

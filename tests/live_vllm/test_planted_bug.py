@@ -38,3 +38,30 @@ def test_a_shifted_slot_inside_vllm_is_named(tmp_path: Path, monkeypatch: pytest
     with pytest.raises(ShadowMismatchError) as replayed:
         runpy.run_path(str(error.repro_path))
     assert (replayed.value.step, replayed.value.req_id, replayed.value.field) == (error.step, error.req_id, error.field)
+
+
+def test_a_shifted_draft_index_inside_vllm_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sampler's fields are checked too: one draft's target_logits_indices moved inside vLLM."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from tests.live_vllm.test_spec_decode import NGRAM
+
+    original = GPUModelRunner._calc_spec_decode_metadata
+    planted: dict[str, Any] = {}
+    with engine("llama", tmp_path, speculative_config=NGRAM) as (llm, shadow, _calls):
+
+        def shifted(self: Any, num_draft_tokens: Any, cu_num_scheduled_tokens: Any) -> Any:
+            meta = original(self, num_draft_tokens, cu_num_scheduled_tokens)
+            if not planted and shadow.steps_checked >= 2 and int(num_draft_tokens.sum()) > 0:
+                row = int((num_draft_tokens > 0).argmax())  # the first batch row with drafts: its first draft
+                meta.target_logits_indices[int(num_draft_tokens[:row].sum())] += 1
+                planted.update(step=shadow.steps_checked, req_id=self.input_batch.req_ids[row])
+            return meta
+
+        monkeypatch.setattr(GPUModelRunner, "_calc_spec_decode_metadata", shifted)
+        with pytest.raises(ShadowMismatchError) as caught:
+            generate(llm, [[7, 8, 9, 10, 11] * 8, [5, 6] * 20], max_tokens=24)
+
+    error = caught.value
+    assert planted, "the bug was never planted"
+    assert (error.step, error.req_id, error.field) == (planted["step"], planted["req_id"], "target_logits_indices")
