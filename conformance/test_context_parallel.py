@@ -1,0 +1,74 @@
+"""Decode context parallelism through a backend: every rank of reference-scheduler workloads, in one process.
+
+Each step: the backend's pool prepares the batch once (ranks hold identical pools); for every rank, its
+slots and local seq_lens equal spec's, and together they satisfy the round-robin definition
+(conformance.context_parallel.check_rank_slots); every rank writes its KV and attends over it, and the
+merged partials equal spec's single-rank attention (tolerance.py's rule). The real multi-process run is
+conformance/test_context_parallel_ranks.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import spec
+import spec.context_parallel as spec_cp
+from conformance.backends import BackendHandle
+from conformance.context_parallel import (
+    CP_KNOBS,
+    RankModel,
+    SingleRank,
+    TinyQKV,
+    check_merged,
+    check_rank_slots,
+    cp_functions,
+    cp_worker_config,
+)
+from conformance.scheduler import ReferenceScheduler, make_workload
+from spec.context_parallel import ContextParallel
+
+MAX_STEPS = 14
+
+
+@pytest.mark.parametrize(("world_size", "interleave", "seed"), [(2, 1, 0), (2, 2, 1), (4, 1, 2), (4, 2, 3)])
+def test_every_rank_matches_spec_and_merges_to_single_rank(
+    backend: BackendHandle, world_size: int, interleave: int, seed: int
+) -> None:
+    functions = cp_functions(backend)
+    if functions is None:
+        pytest.skip(f"{backend.name} offers no context_parallel functions (an optional part of a backend)")
+    config = cp_worker_config(world_size, interleave)
+    workload = make_workload(seed, config, num_requests=4, max_arrival_step=3, max_new_tokens=8)
+    sched = ReferenceScheduler(config, workload, CP_KNOBS, seed=seed)
+    pool, spec_pool = backend.make_pool(config), spec.RequestStatePool(config)
+    qkv = TinyQKV(config.vocab_size, seed)
+    cps = [ContextParallel(world_size, rank, interleave) for rank in range(world_size)]
+    ranks = [RankModel(backend, functions, config, cp, qkv) for cp in cps]
+    single = SingleRank(config, qkv)
+    rng = np.random.default_rng(seed)
+    steps = 0
+    while not sched.done() and steps < MAX_STEPS:
+        out = sched.schedule()
+        pad_to = sched.pad_to(out)
+        pool.apply(out)
+        spec_pool.apply(out)
+        batch, spec_batch = pool.prepare(out, pad_to), spec_pool.prepare(out, pad_to)
+        results = [rank.step(batch) for rank in ranks]
+        for cp, (ranked, _) in zip(cps, results, strict=True):
+            expected = spec_cp.rank_inputs(spec_batch, config, cp)
+            for g in range(len(config.kv_groups)):
+                got_slots, got_lens = backend.to_numpy(ranked.slot_mappings[g]), backend.to_numpy(ranked.seq_lens[g])
+                assert np.array_equal(got_slots, expected.slot_mappings[g]), f"step {steps} rank {cp.rank} group {g}"
+                assert np.array_equal(got_lens, expected.seq_lens[g]), f"step {steps} rank {cp.rank} group {g}"
+                assert got_slots.dtype == np.int64 and got_lens.dtype == np.int32
+        check_rank_slots(backend.batch_to_numpy(batch), [r for r, _ in results], config, world_size, interleave,
+                         backend.to_numpy)  # fmt: skip
+        check_merged(backend, functions, [p for _, p in results], single.step(spec_batch), spec_batch.num_tokens)
+        targets = {r: int(rng.integers(config.vocab_size)) for r in sched.sampling_req_ids(out)}
+        ids = np.array([targets.get(r, 0) for r in spec_batch.req_ids], np.int64)
+        pool.record_sampled(batch, backend.asarray(ids))
+        spec_pool.record_sampled(spec_batch, ids)
+        sched.update(out, targets)
+        steps += 1
+    assert steps >= 6, "the workload ran too few steps to mean anything"
