@@ -9,9 +9,15 @@ them. The plan holds the drafts in scheduler order; the batch and the sampler ne
 
 from __future__ import annotations
 
-import numpy as np
+from typing import Any
 
+import numpy as np
+import torch
+
+from fast.runtime import upload
+from spec.drafts import DraftLogits
 from spec.state import StepPlan, ranges
+from spec.types import INDEX_DTYPE
 
 
 def draft_columns(plan: StepPlan, num_drafts: np.ndarray) -> np.ndarray:
@@ -42,3 +48,15 @@ def batch_drafts(
     starts = (np.cumsum(num_drafts) - num_drafts)[order]  # [num_reqs] where each row's drafts begin in draft_ids
     which, within = ranges(counts)
     return counts, draft_ids[starts[which] + within]
+
+
+def sampler_tensors(sampler: DraftLogits, device: torch.device) -> dict[str, Any]:
+    """The sampler's indices as BatchInputs fields: the int32 ones in one host->device copy, the ids in another."""
+    int32 = [sampler.logits_indices, sampler.num_draft_tokens, sampler.cu_num_draft_tokens,
+             sampler.target_logits_indices, sampler.bonus_logits_indices]  # fmt: skip
+    packed = upload(np.concatenate(int32).astype(INDEX_DTYPE), device)
+    ends = np.cumsum([a.size for a in int32]).tolist()
+    parts = [packed[end - a.size : end] for a, end in zip(int32, ends, strict=True)]
+    names = ("logits_indices", "num_draft_tokens", "cu_num_draft_tokens", "target_logits_indices",
+             "bonus_logits_indices")  # fmt: skip
+    return dict(zip(names, parts, strict=True)) | {"draft_token_ids": upload(sampler.draft_token_ids, device)}

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from typing import Any
 
+import numpy as np
 import torch
 
 try:
@@ -69,3 +70,11 @@ class Kernel:
 def kernel(fn: Callable[..., Any]) -> Kernel:
     """Decorator for slotmap's Triton kernels (instead of @triton.jit)."""
     return Kernel(fn)
+
+
+def upload(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """One host->device copy that does not wait for the device (pinned staging on CUDA)."""
+    host = torch.from_numpy(np.ascontiguousarray(array))
+    if device.type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)

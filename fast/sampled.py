@@ -11,11 +11,91 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from fast.state import DeviceState
+from spec import drafts as spec_drafts
+from spec.errors import InconsistentSchedulerOutputError, ModelLengthError, TokenIdError
+from spec.state import PoolState, ranges
 from spec.types import PLACEHOLDER_TOKEN_ID
+
+_NO_DRAFTS = np.zeros(0, np.int32)
+
+
+def record_one_per_row(
+    dev: DeviceState,
+    state: PoolState,
+    req_ids: tuple[str, ...],  # [n] batch order
+    rows: np.ndarray,  # [n] int64 batch_idx -> req_state_idx, as prepared
+    seq_lens: np.ndarray,  # [n] int64 as prepared
+    sampled: np.ndarray,  # the caller's ids, integer
+) -> None:
+    """One id per batch row, in a step without drafts."""
+    sampled = sampled.reshape(-1)
+    if sampled.shape[0] != rows.size:
+        detail = f"{sampled.shape[0]} rows of ids for {rows.size} batch rows"
+        raise InconsistentSchedulerOutputError(None, "sampled_token_ids", detail)
+    num_known, config = state.num_known_tokens, state.config
+    takes = np.empty(rows.size, np.int64)  # [k] batch_idx of the rows that reached their last token
+    vocab, max_len = config.vocab_size, config.max_model_len
+    bad, count, longest = _check_sampled(rows, seq_lens, num_known, sampled, vocab, max_len, takes)
+    if bad >= 0:  # spec's order: the first taking row with a fault, the id checked before the length
+        req_id, token = req_ids[bad], int(sampled[bad])
+        if not 0 <= token < vocab:
+            raise TokenIdError(req_id, "sampled_token_ids", f"{token} not in [0, {vocab})")
+        raise ModelLengthError(req_id, "sampled_token_ids", "no room past max_model_len")
+    if not count:
+        return
+    dev.reserve_tokens(longest + 1)
+    if dev.token_ids_np is not None:
+        _append_sampled(rows, takes[:count], num_known, sampled, dev.token_ids_np)
+    else:
+        taking_rows = rows[takes[:count]]
+        dev.store_tokens(taking_rows, num_known[taking_rows], sampled[takes[:count]])
+        num_known[taking_rows] += 1
+
+
+def record_accepted(
+    dev: DeviceState,
+    state: PoolState,
+    req_ids: tuple[str, ...],  # [n] batch order
+    rows: np.ndarray,  # [n] int64 batch_idx -> req_state_idx, as prepared
+    seq_lens: np.ndarray,  # [n] int64 as prepared
+    drafts: tuple[np.ndarray, np.ndarray] | None,  # (num_drafts [n], draft ids) batch order; None: none
+    sampled: np.ndarray,  # the caller's ids, integer: [n] or [n, width]
+) -> None:
+    """The accepted tokens of a step with drafts (or ids given as [num_reqs, width]): spec/drafts.py's rules.
+
+    Every taking row is checked in one compiled pass; the first faulty one then goes through spec's own
+    check, which raises the class spec raises for it.
+    """
+    config, num_known = state.config, state.num_known_tokens
+    tokens_in, counts = spec_drafts.accepted_rows(sampled, rows.size)  # [n, width], [n]
+    vocab, max_len = config.vocab_size, config.max_model_len
+    tokens = _as_int64_ids(tokens_in, vocab)
+    num_drafts, draft_ids = drafts or (np.zeros(rows.size, np.int64), _NO_DRAFTS)
+    takes = np.empty(rows.size, np.int64)  # [k] batch_idx of the taking rows
+    checks = (num_drafts, draft_ids, tokens, counts, vocab, max_len, takes)
+    bad, count, longest = _check_accepted(rows, seq_lens, num_known, *checks)
+    if bad >= 0:
+        first = int(num_drafts[:bad].sum())
+        own = draft_ids[first : first + num_drafts[bad]]
+        known = int(num_known[rows[bad]])
+        spec_drafts.check_accepted(req_ids[bad], tokens_in[bad], int(counts[bad]), own, known, config)
+        raise AssertionError(f"record_sampled: row {bad} looked faulty but spec's check accepts it")
+    if not count:
+        return
+    dev.reserve_tokens(longest)
+    taking = takes[:count]
+    if dev.token_ids_np is not None:
+        _append_accepted(rows, taking, tokens, counts, num_known, dev.token_ids_np)
+    else:
+        which, within = ranges(counts[taking])
+        taking_rows = rows[taking]
+        dev.store_tokens(taking_rows[which], num_known[taking_rows][which] + within, tokens[taking[which], within])
+        num_known[taking_rows] += counts[taking]
 
 
 @njit(cache=True, nogil=True)
-def check_sampled(  # pragma: no cover - compiled; tested through record_sampled against spec
+def _check_sampled(  # pragma: no cover - compiled; tested through record_sampled against spec
     rows: np.ndarray,  # [n] int64 batch_idx -> req_state_idx
     seq_lens: np.ndarray,  # [n] int64 as prepared
     num_known: np.ndarray,  # [R] int64 known tokens per row
@@ -39,7 +119,7 @@ def check_sampled(  # pragma: no cover - compiled; tested through record_sampled
 
 
 @njit(cache=True, nogil=True)
-def append_sampled(  # pragma: no cover - compiled; tested through record_sampled against spec
+def _append_sampled(  # pragma: no cover - compiled; tested through record_sampled against spec
     rows: np.ndarray,  # [n] int64 batch_idx -> req_state_idx
     takes: np.ndarray,  # [k] int64 batch_idx of the rows taking their sample
     num_known: np.ndarray,  # [R] int64, advanced here
@@ -52,7 +132,7 @@ def append_sampled(  # pragma: no cover - compiled; tested through record_sample
         num_known[row] += 1
 
 
-def as_int64_ids(tokens: np.ndarray, vocab: int) -> np.ndarray:
+def _as_int64_ids(tokens: np.ndarray, vocab: int) -> np.ndarray:
     """Integer ids as int64 for the compiled checks, each id's verdict kept: unsigned values past the
     vocabulary become `vocab` (still out of it, never the placeholder -1, never equal to a draft)."""
     if tokens.dtype.kind == "u":
@@ -61,7 +141,7 @@ def as_int64_ids(tokens: np.ndarray, vocab: int) -> np.ndarray:
 
 
 @njit(cache=True, nogil=True)
-def check_accepted(  # pragma: no cover - compiled; tested through record_sampled against spec
+def _check_accepted(  # pragma: no cover - compiled; tested through record_sampled against spec
     rows: np.ndarray,  # [n] int64 batch_idx -> req_state_idx
     seq_lens: np.ndarray,  # [n] int64 as prepared
     num_known: np.ndarray,  # [R] int64 known tokens per row
@@ -100,7 +180,7 @@ def check_accepted(  # pragma: no cover - compiled; tested through record_sample
 
 
 @njit(cache=True, nogil=True)
-def append_accepted(  # pragma: no cover - compiled; tested through record_sampled against spec
+def _append_accepted(  # pragma: no cover - compiled; tested through record_sampled against spec
     rows: np.ndarray,  # [n] int64 batch_idx -> req_state_idx
     takes: np.ndarray,  # [k] int64 batch_idx of the taking rows
     tokens: np.ndarray,  # [n, width] int64 validated

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from numba import njit
 
+from fast.runtime import upload
 from spec.state import PoolState, TableWrites
 from spec.types import NULL_BLOCK_ID, WorkerConfig
 
@@ -53,7 +54,6 @@ class DeviceState:
         self.group_meta = torch.from_numpy(  # [META_ROWS, G] int64, see META_*
             np.stack([self.block_sizes_np, widths, offsets])
         ).to(device)
-        self.shared = mirror is not None
         self.token_capacity = 0  # token columns held: reserve_tokens grows it
         if mirror is None:
             self.token_ids_np: np.ndarray | None = None
@@ -97,6 +97,23 @@ class DeviceState:
             tensor[:, :held] = self.token_ids
             self.token_ids = tensor
         self.token_capacity = capacity
+
+    def store_tokens(
+        self,
+        rows: np.ndarray,  # [k] req_state_idx (repeated for several tokens of one row)
+        positions: np.ndarray,  # [k] where each id goes
+        tokens: np.ndarray,  # [k] validated ids
+    ) -> None:
+        """Scattered token writes (drafts, accepted tokens): in place in host mode, one upload and scatter else."""
+        if not rows.size:
+            return
+        self.reserve_tokens(int(positions.max()) + 1)
+        if self.token_ids_np is not None:
+            self.token_ids_np[rows, positions] = tokens
+        else:
+            flat = rows * self.token_ids.stride(0) + positions
+            packed = upload(np.concatenate([flat, tokens.astype(np.int64)]), self.device)
+            self.token_ids.view(-1)[packed[: rows.size]] = packed[rows.size :].to(self.token_ids.dtype)
 
     def table(self, group: int) -> torch.Tensor:
         """Group g's persistent block table, [R, max_blocks_per_req(g)] int32, sharing `tables`' memory."""

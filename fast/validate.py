@@ -518,36 +518,6 @@ def _check_cached_group(  # pragma: no cover - compiled; tested through plan_bul
     return True
 
 
-def last_released_entries(state: PoolState, g: int, rows: np.ndarray) -> np.ndarray:
-    """[k] int64: for each row, its last filled entry in group g that a window released, or -1.
-
-    Released entries are the ones no step may read: NULL_BLOCK_ID placeholders, and an entry whose id
-    the row holds again further on (vLLM hands a released block back to the same request). The pool keeps
-    these for sliding-window groups (the only ones whose tables may hold either), so the checks of a
-    decode step look at one number per request instead of its window: below the step's first live
-    entry a released entry is harmless.
-    """
-    return _last_released(state.block_tables[g], state.num_blocks[g], rows.astype(np.int64))
-
-
-@njit(cache=True, nogil=True)
-def _last_released(  # pragma: no cover - compiled; tested through the pool against spec
-    table: np.ndarray,  # [R, width] int32, the group's committed table
-    num_blocks: np.ndarray,  # [R] int64 filled entries per row
-    rows: np.ndarray,  # [k] int64 req_state_idx
-) -> np.ndarray:
-    out = np.full(rows.shape[0], -1, np.int64)  # [k]
-    for i in range(rows.shape[0]):
-        filled = table[rows[i], : num_blocks[rows[i]]]
-        order = np.argsort(filled, kind="mergesort")  # equal ids adjacent, earlier entries first
-        for j in range(order.shape[0]):
-            e = order[j]
-            again = j + 1 < order.shape[0] and filled[order[j + 1]] == filled[e]
-            if (filled[e] == 0 or again) and e > out[i]:
-                out[i] = e
-    return out
-
-
 @njit(cache=True, nogil=True)
 def _repeats_a_block(entries: np.ndarray) -> bool:  # pragma: no cover - compiled
     """Some real (non-null) block id appears twice among `entries`."""

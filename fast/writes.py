@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from fast.drafts import draft_columns
 from fast.kernels.apply_writes import apply_writes_triton
+from fast.runtime import upload
 from fast.state import DeviceState
 from spec.state import ranges
 
@@ -47,14 +47,6 @@ class StepWrites:
     def packed(self) -> np.ndarray:  # [6 n_t + 3 n_p + 2 n_c + D] int64
         parts = (self.table_ops, self.token_ops, self.computed, self.data)
         return np.concatenate([p.reshape(-1) for p in parts]).astype(np.int64, copy=False)
-
-
-def upload(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """One host->device copy that does not wait for the device (pinned staging on CUDA)."""
-    host = torch.from_numpy(np.ascontiguousarray(array))
-    if device.type == "cpu":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 def apply_writes(dev: DeviceState, writes: StepWrites) -> None:

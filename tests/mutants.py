@@ -37,7 +37,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "released-tails-not-refreshed-on-append",
         "12 NullBlockError: nothing written through the null block",
-        "fast/pool.py",
+        "fast/released.py",
         "rows = np.union1d(plan.tables[g].rows, plan.freed_rows)",
         "rows = np.union1d(plan.tables[g].rows[plan.tables[g].replaced], plan.freed_rows)",
         (BOUNDARIES,),

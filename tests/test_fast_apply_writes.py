@@ -136,7 +136,7 @@ def test_device_state_follows_spec_through_a_run(mode: bool, seed: int) -> None:
     rng = random.Random(seed)
     with interpret(mode), one_torch_thread():
         reference, pool = spec.RequestStatePool(config), fast.RequestStatePool(config)  # the pool takes the mode
-        assert pool.dev.shared is not mode  # kernels: separate device state, so their writes are what is checked
+        assert pool.host_mode is not mode  # kernels: separate device state, so their writes are what is checked
         for _ in range(25):
             if scheduler.done():
                 break

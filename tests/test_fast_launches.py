@@ -120,7 +120,7 @@ def test_pool_keeps_the_kernel_mode_it_was_built_in(launches: Counter[str]) -> N
     host.apply(sched)  # back inside interpret(True)
     host.prepare(sched)
     assert sum(launches.values()) == 0, launches
-    assert not kernels.dev.shared and host.dev.shared
+    assert not kernels.host_mode and host.host_mode
 
 
 @pytest.mark.parametrize("enabled", [True, False])
@@ -129,4 +129,4 @@ def test_backend_handle_builds_pools_in_its_mode(enabled: bool) -> None:
     with interpret(not enabled):
         pool = fast_handle(enabled).make_pool(CONFIG)
     shared = not enabled and not torch.cuda.is_available()
-    assert pool._pool.dev.shared is shared  # type: ignore[attr-defined]
+    assert pool._pool.host_mode is shared  # type: ignore[attr-defined]

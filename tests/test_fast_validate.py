@@ -116,7 +116,7 @@ def _assert_batch_equal(batch: spec.BatchInputs, arrays: dict[str, np.ndarray]) 
 def _assert_released_tails(fast_pool: fast.RequestStatePool, state: PoolState) -> None:
     """The pool's per-row last released entry (sliding-window groups) equals a plain scan of spec's tables."""
     for g, group in enumerate(state.config.kv_groups):
-        tails = fast_pool._released_tails[g]
+        tails = fast_pool.released.tails[g]
         if group.sliding_window is None:
             assert tails is None
             continue
@@ -285,7 +285,7 @@ def test_mixed_step_takes_the_bulk_path(kernels: bool, monkeypatch: pytest.Monke
         spec_pool.apply(step)
         _assert_mirror_equal(fast_pool, spec_pool)
         _assert_released_tails(fast_pool, spec_pool.state)
-        assert fast_pool._released_tails[1] is not None and fast_pool._released_tails[1][3] == 0  # E's null entry
+        assert fast_pool.released.tails[1] is not None and fast_pool.released.tails[1][3] == 0  # E's null entry
         assert fast_pool.snapshot() == spec_pool.snapshot()
         want, got = spec_pool.prepare(step), fast_pool.prepare(step)
         assert got.req_ids == want.req_ids

@@ -1,0 +1,90 @@
+"""Stage 3-5 in host mode (CPU tensors without Triton): the batch's arrays from compiled loops over the state.
+
+In host mode the device state IS the host mirror's memory (fast.state, DeviceState(mirror=...)), so
+prepare is fast/flatten.py's and fast/slots.py's compiled loops writing into two buffers reused from step
+to step and handed out as tensors: a batch's tensors are valid until the next prepare (as vLLM's
+persistent input buffers). A step shaped like the last reuses the last step's tensor objects.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from fast.flatten import flatten
+from fast.slots import gather_block_tables, slot_mapping
+from fast.state import DeviceState
+from spec.state import PoolState
+from spec.types import BatchInputs
+
+
+class HostBatch:
+    """The buffers a host-mode pool's batches view, and the tensors over them for the last shape."""
+
+    def __init__(self) -> None:
+        self._out32 = np.zeros(0, np.int32)
+        self._out64 = np.zeros(0, np.int64)
+        self._views: dict[str, Any] = {}  # the batch's tensors over those buffers, for the shape in _views_key
+        self._views_key: tuple[int, ...] = ()
+        self._buffers_grown = 0  # times either buffer was reallocated: part of _views_key
+
+    def prepare(
+        self,
+        dev: DeviceState,  # shares memory with `state`
+        state: PoolState,
+        req_ids: tuple[str, ...],  # [num_reqs] batch order
+        rows: np.ndarray,  # [num_reqs] int64 batch_idx -> req_state_idx
+        num_scheduled: np.ndarray,  # [num_reqs] int64 batch order
+        num_tokens: int,
+        padded: int,
+    ) -> BatchInputs:
+        groups = state.config.kv_groups
+        n, t = len(req_ids), padded
+        # out32 = index_mapping | num_scheduled | query_start_loc | seq_lens | logits_indices | tables per group
+        out32 = self._buffer32(5 * n + 1 + n * dev.total_width)
+        # out64 = positions | input_ids | slot mapping per group, each [T] | token rows [num_tokens] (scratch)
+        out64 = self._buffer64((2 + len(groups)) * t + num_tokens)
+        positions, token_rows = out64[:t], out64[(2 + len(groups)) * t :]
+        token_ids = dev.token_ids_np if dev.token_ids_np is not None else dev.token_ids.numpy()  # shared: the former
+        input_ids = out64[t : 2 * t]
+        flatten(rows, num_scheduled, state.num_computed_tokens, token_ids, out32, positions, input_ids, token_rows)
+        tables = out32[5 * n + 1 :]
+        block_tables, slot_mappings = [], []
+        for g, (off, w) in enumerate(zip(dev.offsets_np.tolist(), dev.widths_np.tolist(), strict=True)):
+            out = tables[n * off : n * (off + w)].reshape(n, w)
+            block_tables.append(gather_block_tables(state.block_tables[g], rows, out))
+            slots = out64[(2 + g) * t : (3 + g) * t]
+            slot_mapping(state.block_tables[g], token_rows, positions, groups[g].block_size, slots)
+            slot_mappings.append(slots)
+        # The tensors view the reused buffers, so a step of the same shape as the last (every decode step of a
+        # steady batch) hands out the same tensor objects, now holding this step's values: no re-wrapping.
+        key = (n, t, num_tokens, self._buffers_grown)
+        if key != self._views_key:
+            wrap = torch.from_numpy
+            self._views = {
+                "index_mapping": wrap(out32[:n]),
+                "num_scheduled_tokens": wrap(out32[n : 2 * n]),
+                "query_start_loc": wrap(out32[2 * n : 3 * n + 1]),
+                "positions": wrap(positions),
+                "input_ids": wrap(input_ids),
+                "seq_lens": wrap(out32[3 * n + 1 : 4 * n + 1]),
+                "logits_indices": wrap(out32[4 * n + 1 : 5 * n + 1]),
+                "block_tables": tuple(map(wrap, block_tables)),
+                "slot_mappings": tuple(map(wrap, slot_mappings)),
+            }
+            self._views_key = key
+        return BatchInputs(req_ids=req_ids, num_tokens=num_tokens, num_tokens_padded=padded, **self._views)
+
+    def _buffer32(self, size: int) -> np.ndarray:
+        if self._out32.size < size:
+            self._out32 = np.zeros(max(size, 2 * self._out32.size), np.int32)
+            self._buffers_grown += 1  # views over the old buffer are stale
+        return self._out32[:size]
+
+    def _buffer64(self, size: int) -> np.ndarray:
+        if self._out64.size < size:
+            self._out64 = np.zeros(max(size, 2 * self._out64.size), np.int64)
+            self._buffers_grown += 1
+        return self._out64[:size]
