@@ -50,6 +50,7 @@ import spec
 from conformance.shadow import ShadowChecker
 from conformance.shadow_inputs import engine_rows
 from conformance.vllm_attach import StepRecord, attach, worker_config_from_vllm
+from conformance.vllm_attach.compat import let_vllm_scan_modules_beside_numba
 from spec.interop.vllm import from_vllm
 from spec.types import CachedRequestColumns, SchedulerOutput
 
@@ -94,16 +95,6 @@ WORKLOADS = (
 )  # fmt: skip
 
 
-def _let_vllm_scan_modules_beside_numba() -> None:
-    """vLLM rebinds its kernels by reading `vars(x).get("kernel")` of every attribute of every loaded module.
-    llvmlite's library proxy (loaded with numba, which fast uses) answers any attribute, `__dict__` too, with
-    a wrapped C function, so that scan fails once fast is imported. The proxy looks its table up first: an
-    entry for `__dict__` (an empty dict) makes `vars()` of it an empty namespace, and nothing else changes."""
-    from llvmlite.binding import ffi
-
-    ffi.lib._fntab.setdefault("__dict__", {})
-
-
 @contextmanager
 def _live(w: LiveWorkload) -> Iterator[tuple[Any, list[StepRecord]]]:
     """Serve the workload once with the shadow checker recording; yields (its model runner, the steps)."""
@@ -116,7 +107,7 @@ def _live(w: LiveWorkload) -> Iterator[tuple[Any, list[StepRecord]]]:
         enable_prefix_caching=True, num_gpu_blocks_override=512, seed=0,
     )  # fmt: skip
     args.update(w.engine)
-    _let_vllm_scan_modules_beside_numba()
+    let_vllm_scan_modules_beside_numba()  # fast (numba) is loaded in this process
     llm = LLM(**args)
     try:
         shadow = attach(llm)

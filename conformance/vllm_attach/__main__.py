@@ -39,11 +39,13 @@ def main(argv: list[str] | None = None) -> int:
 
     from conformance.shadow import ShadowMismatchError, ShadowRefusalError
     from conformance.vllm_attach import attach
+    from conformance.vllm_attach.compat import let_vllm_scan_modules_beside_numba
 
     extra = {}
     if args.ngram:
         extra["speculative_config"] = {"method": "ngram", "num_speculative_tokens": args.ngram,
                                        "prompt_lookup_max": 3, "prompt_lookup_min": 1}  # fmt: skip
+    let_vllm_scan_modules_beside_numba()
     llm = LLM(model=args.model, load_format="dummy", skip_tokenizer_init=True, enforce_eager=True,
               block_size=args.block_size, max_model_len=args.max_model_len, max_num_batched_tokens=args.chunk,
               num_gpu_blocks_override=args.blocks, enable_prefix_caching=True, seed=args.seed, **extra)  # fmt: skip

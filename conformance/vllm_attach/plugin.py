@@ -24,6 +24,10 @@ def register() -> None:
         return
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner  # only when asked for
 
+    from conformance.vllm_attach.compat import let_vllm_scan_modules_beside_numba
+
+    let_vllm_scan_modules_beside_numba()  # plugins load before vLLM builds its engine and scans the modules
+
     if getattr(GPUModelRunner.execute_model, "_slotmap_attaches", False):
         return  # vLLM may load plugins more than once per process
     own = GPUModelRunner.execute_model

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from conformance.vllm_attach import StepRecord, VllmShadow, attach
+from conformance.vllm_attach.compat import let_vllm_scan_modules_beside_numba
 
 MODELS = Path(__file__).resolve().parent / "models"
 
@@ -41,6 +42,7 @@ def engine(model: str, repro_dir: Path, **overrides: Any) -> Iterator[tuple[Any,
         seed=0,
     )
     args.update(overrides)
+    let_vllm_scan_modules_beside_numba()
     llm = LLM(**args)
     shadow = attach(llm, repro_dir=repro_dir)
     calls: Counter[str] = Counter()

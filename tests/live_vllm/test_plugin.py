@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from conformance.vllm_attach.compat import let_vllm_scan_modules_beside_numba
 from tests.live_vllm.engine import MODELS, generate
 
 
@@ -37,6 +38,7 @@ def test_with_slotmap_shadow_set_every_step_of_a_plain_llm_is_checked(
     monkeypatch.setenv(plugin.ENV, "1")
     monkeypatch.setenv("SLOTMAP_SHADOW_REPRO_DIR", str(tmp_path))
     plugin.register()  # what vLLM's load_general_plugins() does in each of its processes (once per process)
+    let_vllm_scan_modules_beside_numba()
     llm = LLM(model=str(MODELS / "llama"), load_format="dummy", skip_tokenizer_init=True, enforce_eager=True,
               dtype="float32", block_size=32, max_model_len=256, max_num_batched_tokens=64,
               num_gpu_blocks_override=32)  # fmt: skip
