@@ -244,21 +244,47 @@ def test_paged_attention_strided_caches(mode: str) -> None:
     assert torch.equal(out, expected)
 
 
-@pytest.mark.parametrize(("sliding_window", "softcap"), [(None, None), (41, None), (None, 5.0), (57, 3.0)])
-def test_decode_reads_runs_of_blocks_in_place(monkeypatch: pytest.MonkeyPatch, sliding_window: int | None,
-                                              softcap: float | None) -> None:  # fmt: skip
-    """Decode rows whose tables hold runs of consecutive blocks are read in place, run by run, never gathered;
-    windows cut into the first run, seq_len into the last."""
-    import fast.attention
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_paged_attention_engine_shape(dtype: torch.dtype) -> None:
+    """vLLM's CPU shape (blocks of 32, head_dim 128, 4 query heads per KV head): decodes, a prefill longer than one
+    query tile on cached tokens, a window that starts inside a block, soft-cap; blocks shuffled."""
+    requests = [(200, 1), (37, 45), (0, 70), (95, 1)]
+    for sliding_window, softcap in ((None, None), (50, 30.0)):
+        case = make_case(7, dtype, requests, block_size=32, num_kv_heads=2, group=4, head_dim=128,
+                         sliding_window=sliding_window, softcap=softcap, num_pad=3)  # fmt: skip
+        with interpret(False):
+            check_against_spec(case, dtype)
 
-    requests = [(70, 1), (45, 1), (99, 1), (3, 1)]  # 4 to 25 blocks of 4
-    run_blocks = 4 * fast.attention.MIN_RUN_BLOCKS  # a window of >= 10 blocks then spans <= 2 runs
-    case = make_case(5, torch.float32, requests, block_size=4, num_kv_heads=2, group=3, head_dim=8,
-                     sliding_window=sliding_window, softcap=softcap, run_blocks=run_blocks)  # fmt: skip
 
-    def no_gather(*args: object) -> None:
-        raise AssertionError("a decode row over long runs of blocks was gathered")
+def test_paged_attention_same_answer_on_any_thread_count() -> None:
+    """Each work item is computed by one thread in a fixed order, so the thread count changes no bit."""
+    case = make_case(9, torch.float32, MIXED, block_size=4, num_kv_heads=2, group=3, head_dim=12, sliding_window=7)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        with interpret(False):
+            one = run_fast(case, torch.float32)
+        torch.set_num_threads(2)
+        with interpret(False):
+            two = run_fast(case, torch.float32)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
 
-    monkeypatch.setattr(fast.attention, "_gather_blocks", no_gather)
-    with interpret(False):
-        check_against_spec(case, torch.float32)
+
+@pytest.mark.parametrize("bad", ["block id", "table width", "queries past seq_len", "query rows"])
+def test_paged_attention_refuses_reads_outside_the_tensors(bad: str) -> None:
+    """The CPU kernel has no bounds checks of its own: its planner refuses any batch that would read outside."""
+    case = make_case(4, torch.float32, [(5, 1), (2, 3)], block_size=4, num_kv_heads=1, group=2, head_dim=8)
+    q, k, v = (torch.from_numpy(a).float() for a in (case.query, case.key_cache, case.value_cache))
+    bt, sl, qsl = (torch.from_numpy(a.copy()) for a in (case.block_table, case.seq_lens, case.query_start_loc))
+    if bad == "block id":
+        bt[1, 0] = k.shape[0]
+    elif bad == "table width":
+        sl[0] = 4 * bt.shape[1] + 1
+    elif bad == "queries past seq_len":
+        sl[1] = 2
+    else:
+        qsl[-1] = q.shape[0] + 1
+    with interpret(False), pytest.raises(ValueError, match="paged_attention"):
+        paged_attention(q, k, v, bt, sl, qsl, scale=0.5)

@@ -1,0 +1,274 @@
+"""Paged attention on CPU tensors: one compiled kernel that reads K and V blocks where they lie.
+
+A work item is (batch row, tile of up to `query_tile(group)` of its queries, KV head); the kernel runs
+the items in parallel (Numba prange, as many threads as torch uses). An item holds the tile's queries for
+every query head of its KV head as the rows of one small matrix (GQA: each key is read once for the whole
+group), walks the visible key positions block by block through the block table (from the window start of
+its first query to its last query's position), and keeps an online softmax per row in float32: per block,
+the logits (q.k times scale, soft-capped), a running max, the rescaled sum and the rescaled P.V accumulator.
+Keys a row may not see inside the walked range (causal within the tile, the window of later queries) get
+-inf before the softmax; keys outside the range are never read, so unwritten slots may hold anything.
+
+Decode, prefill and mixed batches take the same loop (a decode item is a tile of one query). Cache
+elements are widened to float32 as they are loaded (fast.cpu.lanes), so a float16 or bfloat16 cache is
+never converted in memory. Non-finite inputs follow IEEE arithmetic as spec does: a NaN in a row's
+visible logits makes the row NaN.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import torch
+from numba import njit, prange
+
+from fast.cpu.lanes import exp, tanh, widen
+
+# reassociation lets LLVM vectorise the dot products and sums; no nnan/ninf, so NaN and inf stay IEEE
+FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
+TILE_ROWS = 32  # query rows (tile queries x group) an item aims for: K and V are re-read once per tile
+
+
+def query_tile(group: int) -> int:
+    """Queries per work item: enough rows to reuse each key, few enough that the item's buffers stay in L1."""
+    return max(1, TILE_ROWS // group)
+
+
+def paged_attention_cpu(
+    out: torch.Tensor,  # [T, num_heads, head_dim] float32, contiguous, zero-filled, written in place
+    query: torch.Tensor,  # [T, num_heads, head_dim] float32, contiguous
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], head_dim contiguous
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], the same strides
+    block_table: torch.Tensor,  # [num_reqs, max_blocks] batch_idx -> physical block ids
+    seq_lens: torch.Tensor,  # [num_reqs]
+    query_start_loc: torch.Tensor,  # [num_reqs + 1]
+    *,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+) -> None:
+    num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
+    group = query.shape[1] // num_kv_heads
+    strides = np.array(key_cache.stride()[:3], np.int64)  # block, slot in block, KV head (elements)
+    table, lens, starts = (t.numpy() for t in (block_table, seq_lens, query_start_loc))
+    items = plan_items(lens, starts, table, query.shape[0], num_blocks, block_size, num_kv_heads, query_tile(group),
+                       sliding_window or 0)  # fmt: skip
+    if items.shape[0] == 0:
+        return
+    threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)  # type: ignore[attr-defined]
+    numba.set_num_threads(max(1, threads))  # torch's setting governs fast's CPU kernels too
+    with numba.parallel_chunksize(1):  # items differ in cost (causal tiles, context lengths): hand them out one by one
+        _attention_kernel(
+            out.numpy(), query.numpy(), _elements(key_cache), _elements(value_cache), strides, table, items,
+            group, head_dim, block_size, np.float32(scale), sliding_window or 0,
+            np.float32(softcap or 0.0),
+        )  # fmt: skip
+
+
+def _elements(cache: torch.Tensor) -> np.ndarray:
+    """The cache's memory as one flat array of its elements (bfloat16 as uint16, float16 as int16 bits).
+
+    Flat from the first element to the last, whatever the strides (padded blocks included), so the kernel
+    addresses block, slot, head and dim with the cache's own strides and its innermost loop is contiguous.
+    """
+    if cache.dtype == torch.bfloat16:
+        bits = cache.view(torch.int16).numpy().view(np.uint16)
+    elif cache.dtype == torch.float16:
+        bits = cache.view(torch.int16).numpy()
+    else:
+        bits = cache.numpy()
+    span = 1 + sum((n - 1) * s for n, s in zip(cache.shape, cache.stride(), strict=True)) if cache.numel() else 0
+    return np.lib.stride_tricks.as_strided(bits, shape=(span,), strides=(bits.itemsize,))
+
+
+@njit(cache=True, nogil=True)
+def plan_items(  # pragma: no cover - compiled; tested through its results
+    seq_lens: np.ndarray,  # [num_reqs]
+    query_start_loc: np.ndarray,  # [num_reqs + 1]
+    block_table: np.ndarray,  # [num_reqs, max_blocks] batch_idx -> physical block ids
+    num_query_rows: int,  # T: query rows the tensors hold
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    tile: int,  # queries per prefill item
+    window: int,  # 0: no sliding window
+) -> np.ndarray:  # [num_items, ITEM_FIELDS] int64, the fields below
+    """The work items of one call, after the checks that keep every read inside the tensors.
+
+    A decode row is one item over all KV heads: a slot's keys for every head are one contiguous run of
+    memory, so the item streams each block front to back (per head, a block's keys are 4 KiB apart in
+    fast's layout, which defeats the prefetcher). A row with several queries is one item per tile of
+    `tile` queries and KV head: there the keys are reused by every query of the tile and stay in cache.
+    Every block id an item will read is checked here, so the kernel itself needs no bounds checks.
+    """
+    num_reqs = seq_lens.shape[0]
+    count = 0
+    for b in range(num_reqs):
+        q_start, q_end, seq_len = query_start_loc[b], query_start_loc[b + 1], seq_lens[b]
+        if q_start < 0 or q_end < q_start or q_end > num_query_rows:
+            raise ValueError("paged_attention: query_start_loc must be non-decreasing within the query's rows")
+        if q_end - q_start > seq_len:
+            raise ValueError("paged_attention: a batch row has more queries than its seq_len")
+        if q_end > q_start:
+            k_first = 0 if window == 0 else max(0, seq_len - (q_end - q_start) - window + 1)
+            last_block = (seq_len - 1) // block_size
+            if last_block >= block_table.shape[1]:
+                raise ValueError("paged_attention: seq_lens reach past the block table's width")
+            for blk in range(k_first // block_size, last_block + 1):
+                if block_table[b, blk] < 0 or block_table[b, blk] >= num_blocks:
+                    raise ValueError("paged_attention: block_table holds a block id outside the cache")
+        num_q = q_end - q_start
+        count += 1 if num_q == 1 else num_kv_heads * ((num_q + tile - 1) // tile)
+    items = np.empty((count, 7), np.int64)
+    i = 0
+    for b in range(num_reqs):
+        q_start, q_end, seq_len = query_start_loc[b], query_start_loc[b + 1], seq_lens[b]
+        first_pos = seq_len - (q_end - q_start)  # position of the row's first query
+        step = 1 if q_end - q_start == 1 else tile
+        for t0 in range(q_start, q_end, step):
+            pos = first_pos + (t0 - q_start)
+            for h in range(1 if step == 1 else num_kv_heads):
+                items[i, 0] = b
+                items[i, 1] = t0
+                items[i, 2] = min(t0 + step, q_end)
+                items[i, 3] = 0 if window == 0 else max(0, pos - window + 1)
+                items[i, 4] = pos
+                items[i, 5] = 0 if step == 1 else h
+                items[i, 6] = num_kv_heads if step == 1 else h + 1
+                i += 1
+    return items
+
+
+@njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH, error_model="numpy")
+def _attention_kernel(  # pragma: no cover - compiled; tested through its results
+    out: np.ndarray,  # [T, num_heads, head_dim] float32, written for the items' query rows
+    query: np.ndarray,  # [T, num_heads, head_dim] float32
+    key: np.ndarray,  # [span] cache elements (float32, or float16/bfloat16 bits), addressed with strides
+    value: np.ndarray,  # [span] the value cache, the same strides
+    strides: np.ndarray,  # [3] int64: block, slot in block, KV head (elements)
+    block_table: np.ndarray,  # [num_reqs, max_blocks] batch_idx -> physical block ids
+    items: np.ndarray,  # [num_items, 7] int64: batch_idx, query tokens [t0, t1), first key position,
+    #                     position of query t0, KV heads [h0, h1)
+    group: int,  # query heads per KV head
+    head_dim: int,
+    block_size: int,
+    scale: np.float32,
+    window: int,  # 0: no sliding window
+    softcap: np.float32,  # 0: no soft-cap
+) -> None:
+    neg_inf = np.float32(-np.inf)
+    for it in prange(items.shape[0]):
+        b, t0, t1, k_lo, p0, h0, h1 = (items[it, 0], items[it, 1], items[it, 2], items[it, 3], items[it, 4],
+                                       items[it, 5], items[it, 6])  # fmt: skip
+        heads = h1 - h0
+        rows = (t1 - t0) * heads * group  # row r: query t0 + r // (heads * group), query head h0 * group + r % ...
+        k_hi = p0 + (t1 - t0)  # one past the last query's position
+        q = np.empty((rows, head_dim), np.float32)  # [rows, head_dim]
+        for r in range(rows):
+            for d in range(head_dim):
+                q[r, d] = query[t0 + r // (heads * group), h0 * group + r % (heads * group), d]
+        s = np.empty((rows, block_size), np.float32)  # [rows, block_size] this block's logits, then weights
+        acc = np.zeros((rows, head_dim), np.float32)  # [rows, head_dim] P.V, not yet divided by the sum
+        m = np.full(rows, neg_inf, np.float32)  # [rows] running max of the logits
+        total = np.zeros(rows, np.float32)  # [rows] running sum of exp(logit - m)
+        for blk in range(k_lo // block_size, (k_hi - 1) // block_size + 1):
+            first = blk * block_size  # position of the block's slot 0
+            j0, j1 = max(k_lo, first) - first, min(k_hi, first + block_size) - first
+            block_at = block_table[b, blk] * strides[0]
+            for j in range(j0, j1):
+                for r0 in range(0, rows, group):  # the group of query heads that reads one KV head
+                    at = block_at + j * strides[1] + (h0 + (r0 // group) % heads) * strides[2]
+                    # a slice, indexed by the loop variable: Numba then knows the index is not negative and
+                    # drops its wraparound select, which had kept LLVM from vectorising (4x slower)
+                    _logits(s, q, key[at : at + head_dim], r0, r0 + group, j, scale)
+            for r in range(rows):
+                pos = p0 + r // (heads * group)
+                row_max = m[r]
+                for j in range(j0, j1):
+                    x = s[r, j]
+                    if softcap != 0:
+                        x = softcap * tanh(x / softcap)
+                    seen = first + j <= pos and (window == 0 or first + j > pos - window)
+                    x = x if seen else neg_inf
+                    s[r, j] = x
+                    row_max = x if x > row_max else row_max  # a NaN logit never becomes the max: it stays in s
+                if row_max == neg_inf:  # nothing of this block visible to the row (yet)
+                    for j in range(j0, j1):
+                        s[r, j] = 0.0
+                    continue
+                alpha = exp(m[r] - row_max)
+                block_sum = np.float32(0.0)
+                for j in range(j0, j1):
+                    p = exp(s[r, j] - row_max)
+                    s[r, j] = p
+                    block_sum += p
+                total[r] = total[r] * alpha + block_sum
+                m[r] = row_max
+                if alpha != 1.0:
+                    for d in range(head_dim):
+                        acc[r, d] *= alpha
+            for j in range(j0, j1):
+                for r0 in range(0, rows, group):
+                    at = block_at + j * strides[1] + (h0 + (r0 // group) % heads) * strides[2]
+                    _accumulate(acc, s, value[at : at + head_dim], r0, r0 + group, j)
+        for r in range(rows):
+            inv = np.float32(1.0) / total[r]
+            for d in range(head_dim):
+                out[t0 + r // (heads * group), h0 * group + r % (heads * group), d] = acc[r, d] * inv
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _logits(  # pragma: no cover - compiled
+    s: np.ndarray,  # [rows, block_size] float32, column j written for rows [r_lo, r_hi)
+    q: np.ndarray,  # [rows, head_dim] float32
+    k_row: np.ndarray,  # [head_dim] one key (cache elements)
+    r_lo: int,
+    r_hi: int,
+    j: int,
+    scale: np.float32,
+) -> None:
+    """s[r, j] = q[r] . k_row * scale: four rows per pass over the key (one load feeds four products)."""
+    r = r_lo
+    while r + 4 <= r_hi:
+        a0 = a1 = a2 = a3 = np.float32(0.0)
+        for d in range(k_row.shape[0]):
+            k = widen(k_row[d])
+            a0 += q[r, d] * k
+            a1 += q[r + 1, d] * k
+            a2 += q[r + 2, d] * k
+            a3 += q[r + 3, d] * k
+        s[r, j], s[r + 1, j], s[r + 2, j], s[r + 3, j] = a0 * scale, a1 * scale, a2 * scale, a3 * scale
+        r += 4
+    while r < r_hi:
+        a0 = np.float32(0.0)
+        for d in range(k_row.shape[0]):
+            a0 += q[r, d] * widen(k_row[d])
+        s[r, j] = a0 * scale
+        r += 1
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _accumulate(  # pragma: no cover - compiled
+    acc: np.ndarray,  # [rows, head_dim] float32, rows [r_lo, r_hi) updated
+    p: np.ndarray,  # [rows, block_size] float32 weights
+    v_row: np.ndarray,  # [head_dim] one value (cache elements)
+    r_lo: int,
+    r_hi: int,
+    j: int,
+) -> None:
+    """acc[r] += p[r, j] * v_row: four rows per pass over the value."""
+    r = r_lo
+    while r + 4 <= r_hi:
+        p0, p1, p2, p3 = p[r, j], p[r + 1, j], p[r + 2, j], p[r + 3, j]
+        for d in range(v_row.shape[0]):
+            v = widen(v_row[d])
+            acc[r, d] += p0 * v
+            acc[r + 1, d] += p1 * v
+            acc[r + 2, d] += p2 * v
+            acc[r + 3, d] += p3 * v
+        r += 4
+    while r < r_hi:
+        p0 = p[r, j]
+        for d in range(v_row.shape[0]):
+            acc[r, d] += p0 * widen(v_row[d])
+        r += 1
