@@ -4,17 +4,17 @@ State lives on the pool's device (`RequestStatePool(config, device="cuda")`); `B
 torch tensors on that device. Types, constants and errors are spec's own (re-exported here), so the
 two backends raise the same classes for the same input.
 
-Kernel modes (fast/runtime.py):
-- CUDA tensors: compiled Triton kernels.
-- CPU tensors: vectorised torch ops, unless the environment variable SLOTMAP_TRITON_INTERPRET=1 is set
-  (before running; any value other than "" or "0" turns it on), which runs the same Triton kernels
-  through Triton's interpreter on CPU, so machines without a GPU still execute the kernel code.
+Modes (fast/runtime.py):
+- Triton: compiled Triton kernels on CUDA tensors, or the same kernels through Triton's interpreter on
+  CPU tensors when the environment variable SLOTMAP_TRITON_INTERPRET=1 is set (before running; any value
+  other than "" or "0" turns it on), so machines without a GPU still execute the kernel code.
   `fast.runtime.interpret(True/False)` overrides the variable for a block of code (the conformance
   suite's `fast` and `fast-interpret` handles, conformance/backends.py, pin one mode each this way).
-A pool fixes its mode when it is built. On plain CPU (no interpreter) the device is the host: the
-pool's tensors share memory with its host mirror, so apply's commit is the device write and prepare is
-NumPy index arithmetic wrapped as tensors. Under Triton (CUDA, or the interpreter) the pool keeps
-separate device tensors and writes them with one apply kernel and one prepare kernel per step.
+- host mode: CPU tensors without the interpreter. The device is the host: a pool's tensors share memory
+  with its host mirror, so apply's commit is the device write and prepare is compiled loops (Numba) over
+  it, wrapped as tensors; write_kv and paged_attention run their CPU code.
+A pool fixes its mode when it is built (`pool.host_mode`). Under Triton the pool keeps separate device
+tensors and writes them with one apply kernel and one prepare kernel per step.
 The kernels write_kv and paged_attention choose their mode per call, from their tensors' device.
 """
 

@@ -1,8 +1,8 @@
-"""Stage 4 on the host: flattening as spec/flatten.py, compiled with Numba, over the pool's shared state.
+"""Stage 4 in host mode: flattening as spec/flatten.py, compiled with Numba, over the pool's state.
 
 CUDA tensors (and CPU tensors under the Triton interpreter) take fast.kernels.prepare, which computes
-these arrays and the slot mappings in one launch. On plain CPU tensors the state IS host memory
-(fast.state's shared mode), and this stage is one compiled loop over the batch writing into the
+these arrays and the slot mappings in one launch. In host mode (CPU tensors without Triton) the state IS
+host memory (fast/state.py), and this stage is one compiled loop over the batch writing into the
 buffers the pool hands out as tensors: a step's dozen small NumPy calls cost more in dispatch than
 the loop costs in work (docs/performance.md).
 """

@@ -47,7 +47,7 @@ class HostBatch:
         # out64 = positions | input_ids | slot mapping per group, each [T] | token rows [num_tokens] (scratch)
         out64 = self._buffer64((2 + len(groups)) * t + num_tokens)
         positions, token_rows = out64[:t], out64[(2 + len(groups)) * t :]
-        token_ids = dev.token_ids_np if dev.token_ids_np is not None else dev.token_ids.numpy()  # shared: the former
+        token_ids = dev.token_ids_np if dev.token_ids_np is not None else dev.token_ids.numpy()  # host mode: the former
         input_ids = out64[t : 2 * t]
         flatten(rows, num_scheduled, state.num_computed_tokens, token_ids, out32, positions, input_ids, token_rows)
         tables = out32[5 * n + 1 :]

@@ -1,6 +1,6 @@
-"""How fast runs a kernel: compiled Triton on CUDA, Triton's interpreter or plain torch ops on CPU.
+"""How fast runs a kernel: compiled Triton on CUDA; on CPU, Triton's interpreter or host mode.
 
-CPU tensors take the vectorised torch path unless the interpreter is on, either for the whole process
+CPU tensors run in host mode (CPU code, no Triton) unless the interpreter is on, either for the whole process
 (`SLOTMAP_TRITON_INTERPRET=1` in the environment) or for a block of code (`with interpret(True):`),
 so that CI, which has no GPU, still executes the real kernel code. A fast.RequestStatePool reads the
 mode once, when it is built, and keeps it (its state layout depends on it, see fast/pool.py); the
@@ -24,7 +24,7 @@ try:
     from triton.runtime.interpreter import InterpretedFunction
 
     HAVE_TRITON = True
-except ImportError:  # platforms without Triton wheels: the torch path still works on CPU
+except ImportError:  # platforms without Triton wheels: host mode still works on CPU
     HAVE_TRITON = False
 
 INTERPRET_ENV = "SLOTMAP_TRITON_INTERPRET"

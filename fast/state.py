@@ -1,8 +1,8 @@
 """Stage 1 on the device: the pool's persistent tensors, and the host mirror validation reads.
 
 The device holds what the kernels read: token ids, block tables, block counts and num_computed_tokens.
-The host keeps a `spec.state.PoolState` (fast.pool owns it) (no token ids) so that validation, batch ordering and the
-choice of what to upload never need a device->host copy.
+The host keeps a `spec.state.PoolState` (a HostMirror, which fast.pool owns; no token ids) so that
+validation, batch ordering and the choice of what to upload never need a device->host copy.
 
 All groups' block tables live in ONE flat int32 tensor, group g's table being the contiguous
 [R, max_blocks_per_req(g)] slice starting at R * table_offset(g). One buffer means one kernel
@@ -12,7 +12,7 @@ Token ids are int32 (spec.types.TOKEN_STORAGE_DTYPE) in an array that grows with
 held (`reserve_tokens`), not [R, max_model_len] up front: a pool sized for 4096 x 131072 tokens
 allocates nothing for tokens until requests arrive, and a step's token reads stay in a few cache lines.
 
-Shared state (`DeviceState(config, cpu, mirror=pool_state)`): on CPU without kernels the "device" is
+Host mode (`DeviceState(config, cpu, mirror=pool_state)`, CPU tensors without Triton): the "device" is
 host memory, so keeping a second copy would only double every write. The tensors are then views of
 the mirror's arrays (the mirror's block tables become views of one flat buffer, as above) and of a
 NumPy token array, `token_ids_np`: a commit to the mirror is the device write. `num_blocks` is then
@@ -33,12 +33,6 @@ from spec.types import NULL_BLOCK_ID, WorkerConfig
 _MIN_TOKEN_CAPACITY = 256
 _TOKEN_CAPACITY_ALIGN = 64  # columns: rows start on cache-line boundaries
 
-# Rows of DeviceState.group_meta, each indexed by group.
-META_BLOCK_SIZE = 0
-META_WIDTH = 1  # max_blocks_per_req(g)
-META_OFFSET = 2  # sum of the widths of the groups before g
-META_ROWS = 3
-
 
 class DeviceState:
     def __init__(self, config: WorkerConfig, device: torch.device, mirror: PoolState | None = None) -> None:
@@ -51,7 +45,9 @@ class DeviceState:
         self.offsets_np = offsets  # [G] table_offset(g), in units of rows' widths
         self.block_sizes_np = np.array([g.block_size for g in config.kv_groups], np.int64)  # [G]
         self.total_width = int(widths.sum())
-        self.group_meta = torch.from_numpy(  # [META_ROWS, G] int64, see META_*
+        # [3, G] int64, the kernels' per-group constants, row r at group_meta_ptr + r * G:
+        # block_size | max_blocks_per_req (width) | table_offset (the widths of the groups before g)
+        self.group_meta = torch.from_numpy(
             np.stack([self.block_sizes_np, widths, offsets])
         ).to(device)
         self.token_capacity = 0  # token columns held: reserve_tokens grows it

@@ -44,7 +44,7 @@ class StepWrites:
     def empty(self) -> bool:
         return not (len(self.table_ops) or len(self.token_ops) or len(self.computed))
 
-    def packed(self) -> np.ndarray:  # [6 n_t + 3 n_p + 2 n_c + D] int64
+    def packed(self) -> np.ndarray:  # [6 n_t + 4 n_p + 2 n_c + D] int64: the four parts end to end
         parts = (self.table_ops, self.token_ops, self.computed, self.data)
         return np.concatenate([p.reshape(-1) for p in parts]).astype(np.int64, copy=False)
 
@@ -52,7 +52,7 @@ class StepWrites:
 def apply_writes(dev: DeviceState, writes: StepWrites) -> None:
     """Kernel 1, for pools whose device state is separate from the host mirror (CUDA, or the interpreter).
 
-    A plain-CPU pool shares its tensors with the mirror, so committing the plan already wrote them.
+    A host-mode pool shares its tensors with the mirror, so committing the plan already wrote them.
     """
     if writes.empty:
         return  # nothing to launch

@@ -28,10 +28,10 @@ def apply_writes_triton(
     n_t: int,  # table ops
     n_p: int,  # token ops (prompts and drafts)
     n_c: int,  # num_computed_tokens pairs
-    num_data: int,  # block ids and prompt tokens after the ops
+    num_data: int,  # block ids, then prompt tokens, then drafts, after the ops
 ) -> None:
-    prompt_base = 6 * n_t
-    computed_base = prompt_base + 4 * n_p
+    token_base = 6 * n_t
+    computed_base = token_base + 4 * n_p
     data_base = computed_base + 2 * n_c
     expected = (data_base + num_data,)
     if packed.dtype != torch.int64 or tuple(packed.shape) != expected or packed.stride(0) != 1:
@@ -50,7 +50,7 @@ def apply_writes_triton(
         n_t,
         n_p,
         n_c,
-        prompt_base,
+        token_base,
         computed_base,
         data_base,
         dev.config.max_num_reqs,
@@ -67,11 +67,11 @@ def _apply_writes_kernel(
     tables_ptr,  # [R * sum_g max_blocks_per_req(g)] int32, group g at R * table_offset(g)
     num_blocks_ptr,  # [G, R] int32
     num_computed_ptr,  # [R] int64
-    group_meta_ptr,  # [3, G] int64: block_size, width, table_offset
+    group_meta_ptr,  # [3, G] int64 rows: block_size | max_blocks_per_req | table_offset (DeviceState.group_meta)
     num_table_ops,
-    num_prompts,
+    num_token_runs,
     num_computed,
-    prompt_base,
+    token_base,
     computed_base,
     data_base,
     max_num_reqs,
@@ -97,8 +97,8 @@ def _apply_writes_kernel(
             ids = tl.load(src + (cols - lo), mask=mask)
             tl.store(table_row + cols, ids.to(tl.int32), mask=mask)
         tl.store(num_blocks_ptr + group * max_num_reqs + row, count.to(tl.int32))
-    elif pid < num_table_ops + num_prompts:
-        op = packed_ptr + prompt_base + (pid - num_table_ops) * 4
+    elif pid < num_table_ops + num_token_runs:
+        op = packed_ptr + token_base + (pid - num_table_ops) * 4
         row = tl.load(op)
         column = tl.load(op + 1)
         length = tl.load(op + 2)
@@ -109,7 +109,7 @@ def _apply_writes_kernel(
             dst = token_ids_ptr + row * token_stride + column + cols
             tl.store(dst, tl.load(src + cols, mask=mask), mask=mask)
     else:
-        pairs = (pid - num_table_ops - num_prompts) * BLOCK + lanes
+        pairs = (pid - num_table_ops - num_token_runs) * BLOCK + lanes
         mask = pairs < num_computed
         rows = tl.load(packed_ptr + computed_base + 2 * pairs, mask=mask, other=0)
         values = tl.load(packed_ptr + computed_base + 2 * pairs + 1, mask=mask, other=0)

@@ -93,7 +93,7 @@ def _prepare_kernel(
     token_ids_ptr,  # [R, token_stride] int32
     tables_ptr,  # [R * total_width] int32, group g's [R, width_g] table at R * table_offset(g)
     num_computed_ptr,  # [R] int64, req_state_idx -> num_computed_tokens
-    group_meta_ptr,  # [3, G] int64: block_size, width, table_offset
+    group_meta_ptr,  # [3, G] int64 rows: block_size | max_blocks_per_req | table_offset (DeviceState.group_meta)
     out64_ptr,  # [(2 + G) T] int64: positions | input_ids | slot_mapping per group
     out32_ptr,  # [num_reqs (2 + total_width)] int32: seq_lens | logits_indices | block table per group
     num_reqs,
