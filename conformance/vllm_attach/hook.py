@@ -152,8 +152,8 @@ class VllmShadow:
             result = self._originals["_build_attention_metadata"](*args, **kwargs)
         finally:
             step.in_attention_build = False
-        num_reqs = _bound(self._originals["_build_attention_metadata"], args, kwargs)["num_reqs"]
-        slot_mappings = kwargs.get("slot_mappings") or {}
+        bound = _bound(self._originals["_build_attention_metadata"], args, kwargs)
+        num_reqs, slot_mappings = bound["num_reqs"], bound.get("slot_mappings") or {}
         for gid in range(len(self.config.kv_groups)):
             # a group whose backend reused another group's metadata (update_block_table): the runner's buffers
             if f"slot_mapping[{gid}]" not in step.arrays and gid in slot_mappings:

@@ -40,3 +40,12 @@ def test_the_metadata_fields_read_exist() -> None:
     spec_decode = set(SpecDecodeMetadata.__dataclass_fields__)
     assert {"num_draft_tokens", "cu_num_draft_tokens", "cu_num_sampled_tokens", "draft_token_ids",
             "target_logits_indices", "bonus_logits_indices"} <= spec_decode  # fmt: skip
+
+
+def test_importing_the_attach_package_imports_no_vllm() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, conformance.vllm_attach; print(sorted(m for m in sys.modules if m.split('.')[0] == 'vllm'))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
