@@ -36,7 +36,9 @@ def register() -> None:
         if "_slotmap_shadow" not in self.__dict__:
             from conformance.vllm_attach.hook import attach
 
-            attach(self)  # installs the instance's own wrapped execute_model, which this call goes through
+            # keep_records=False: a served engine runs indefinitely, and the records are for tests and benchmarks;
+            # this installs the instance's own wrapped execute_model, which this call goes through
+            attach(self, keep_records=False)
             return self.execute_model(*args, **kwargs)
         return own(self, *args, **kwargs)
 
