@@ -131,5 +131,7 @@ def slot_mapping(
     out: torch.Tensor,  # [T] int64, written
     block_size: int,
 ) -> Any:
+    import vllm._custom_ops  # noqa: F401 - registers torch.ops._C
+
     torch.ops._C.compute_slot_mapping_kernel_impl(query_start_loc, positions, block_table, out, block_size)
     return out

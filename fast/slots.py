@@ -1,6 +1,8 @@
 """Stage 5 on the host: slot mappings and gathered block tables, as spec/slots.py, compiled with Numba.
 
-slot = block_table[row, position // block_size] * block_size + position % block_size, in int64.
+slot = block_table[row, position // block_size] * block_size + position % block_size, in int64. A request's
+tokens are a run of consecutive positions, so the loop divides once per run and per block crossing, not per
+token (the two integer divisions per token were most of a long prefill's time).
 On plain CPU tensors the tables are host memory shared with the pool's mirror (see fast/flatten.py
 for why a compiled loop); CUDA and the interpreter take fast.kernels.prepare instead.
 """
@@ -22,10 +24,19 @@ def slot_mapping(  # pragma: no cover - compiled; tested through its results
     out: np.ndarray,  # [T] int64: the slots, PAD_SLOT_ID past num_tokens
 ) -> None:
     num_tokens = token_rows.shape[0]
+    row, block, offset, end = -1, np.int64(0), np.int64(0), np.int64(-1)
     for t in range(num_tokens):
         position = positions[t]
-        block = np.int64(block_table[token_rows[t], position // block_size])  # int64: slots may pass 2**31
-        out[t] = block * block_size + position % block_size
+        if token_rows[t] != row or position != end:  # a new run of consecutive positions: divide once
+            row = token_rows[t]
+            offset = position % block_size
+            block = np.int64(block_table[row, position // block_size]) * block_size  # int64: slots pass 2**31
+        elif offset == block_size:  # the run crosses into the next logical block
+            offset = 0
+            block = np.int64(block_table[row, position // block_size]) * block_size
+        out[t] = block + offset
+        offset += 1
+        end = position + 1
     for pad in range(num_tokens, out.shape[0]):
         out[pad] = PAD_SLOT_ID
 
