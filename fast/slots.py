@@ -32,7 +32,7 @@ def slot_mapping(  # pragma: no cover - compiled; tested through its results
             offset = position % block_size
             block = np.int64(block_table[row, position // block_size]) * block_size  # int64: slots pass 2**31
         elif offset == block_size:  # the run crosses into the next logical block
-            offset = 0
+            offset = np.int64(0)
             block = np.int64(block_table[row, position // block_size]) * block_size
         out[t] = block + offset
         offset += 1

