@@ -41,6 +41,14 @@ BATCH_ARRAY_FIELDS = (
     "logits_indices",
 )
 
+DRAFT_FIELDS = (  # BatchInputs' speculative-decoding fields (logits_indices is in BATCH_ARRAY_FIELDS)
+    "num_draft_tokens",
+    "cu_num_draft_tokens",
+    "draft_token_ids",
+    "target_logits_indices",
+    "bonus_logits_indices",
+)
+
 
 class BackendLoadError(ValueError):
     """A backend name that names nothing loadable; the message says what to pass instead."""
@@ -63,13 +71,16 @@ class BackendHandle:
         return self.module.RequestStatePool(config)
 
     def batch_to_numpy(self, batch: BatchInputs) -> dict[str, Any]:
-        """Every field of a BatchInputs in NumPy/Python form, ready for exact comparison."""
+        """Every field of a BatchInputs in NumPy/Python form, ready for exact comparison (conformance/compare.py)."""
         out: dict[str, Any] = {name: self.to_numpy(getattr(batch, name)) for name in BATCH_ARRAY_FIELDS}
         out["req_ids"] = tuple(batch.req_ids)
         out["block_tables"] = tuple(self.to_numpy(t) for t in batch.block_tables)
         out["slot_mappings"] = tuple(self.to_numpy(s) for s in batch.slot_mappings)
         out["num_tokens"] = int(batch.num_tokens)
         out["num_tokens_padded"] = int(batch.num_tokens_padded)
+        for name in DRAFT_FIELDS:  # speculative decoding (spec/drafts.py): None in a step without drafts
+            value = getattr(batch, name, None)
+            out[name] = None if value is None else self.to_numpy(value)
         return out
 
 

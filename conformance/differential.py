@@ -22,7 +22,7 @@ import numpy as np
 
 import spec
 from conformance.backends import BackendHandle
-from conformance.driving import draft_fields
+from conformance.compare import batch_differences
 from conformance.scenario import AttentionSpec, Scenario
 from conformance.scheduler import ReferenceScheduler
 from conformance.tolerance import assert_attention_close, spec_in_dtype
@@ -137,30 +137,7 @@ class Pair:
 
     def compare_batches(self, ref_batch: BatchInputs, cand_batch: BatchInputs) -> None:
         ref = self.ref.handle.batch_to_numpy(ref_batch)
-        cand = self.cand.handle.batch_to_numpy(cand_batch)
-        problems = []
-        for name, want in ref.items():
-            got = cand[name]
-            if isinstance(want, tuple) and name != "req_ids":
-                problems += [
-                    _array_difference(f"{name}[{g}]", w, x) for g, (w, x) in enumerate(zip(want, got, strict=False))
-                ]
-                if len(want) != len(got):
-                    problems.append(f"{name}: {len(got)} groups, expected {len(want)}")
-            elif isinstance(want, np.ndarray):
-                problems.append(_array_difference(name, want, got))
-            elif want != got:
-                problems.append(f"{name}: {got!r}, expected {want!r}")
-        ref_drafts = draft_fields(self.ref.handle, ref_batch)
-        cand_drafts = draft_fields(self.cand.handle, cand_batch)
-        for name, want in ref_drafts.items():
-            got = cand_drafts[name]
-            if want is None or got is None:
-                if (want is None) != (got is None):
-                    problems.append(f"{name}: {got!r}, expected {want!r}")
-            else:
-                problems.append(_array_difference(name, want, got))
-        problems = [p for p in problems if p]
+        problems = batch_differences(ref, self.cand.handle.batch_to_numpy(cand_batch))
         if problems:
             raise MismatchError("BatchInputs differ:\n  " + "\n  ".join(problems))
 
@@ -362,20 +339,6 @@ def _repr_step(s: Step | Invalid) -> str:
         expected = s.expected.__name__ if s.expected is not None else None
         return f"Invalid({s.out!r}, {expected})"
     return repr(s)
-
-
-def _array_difference(name: str, want: np.ndarray, got: Any) -> str:
-    got = np.asarray(got)
-    if got.dtype != want.dtype:
-        return f"{name}: dtype {got.dtype}, expected {want.dtype}"
-    if got.shape != want.shape:
-        return f"{name}: shape {got.shape}, expected {want.shape}"
-    if not np.array_equal(got, want):  # only the differing entries: a padded array can be thousands long
-        where = np.argwhere(got != want)
-        shown = ", ".join(f"{tuple(i)}: got {got[tuple(i)]}, expected {want[tuple(i)]}" for i in where[:8].tolist())
-        more = f" (and {len(where) - 8} more)" if len(where) > 8 else ""
-        return f"{name}: {len(where)} of {want.size} entries differ: {shown}{more}"
-    return ""
 
 
 def _first_difference(a: PoolSnapshot, b: PoolSnapshot) -> str:

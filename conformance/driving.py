@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from conformance.backends import BackendHandle
+from conformance.backends import DRAFT_FIELDS, BackendHandle
 from spec.drafts import pad_accepted
 from spec.protocol import StatePool
 from spec.types import BatchInputs, SchedulerOutput
@@ -28,7 +28,7 @@ def step(
     batch = pool.prepare(sched, pad_to)
     ids = sampled_array([(sampled or {}).get(r, 1) for r in batch.req_ids])
     pool.record_sampled(batch, backend.asarray(ids))
-    return backend.batch_to_numpy(batch) | draft_fields(backend, batch)
+    return backend.batch_to_numpy(batch)
 
 
 def sampled_array(per_row: Sequence[int | Sequence[int]]) -> np.ndarray:
@@ -40,18 +40,8 @@ def sampled_array(per_row: Sequence[int | Sequence[int]]) -> np.ndarray:
 
 def draft_fields(backend: BackendHandle, batch: BatchInputs) -> dict[str, Any]:
     """The speculative-decoding fields of a batch as NumPy (None where the step has no drafts)."""
-    return {
-        name: None if getattr(batch, name) is None else backend.to_numpy(getattr(batch, name)) for name in DRAFT_FIELDS
-    }
-
-
-DRAFT_FIELDS = (
-    "num_draft_tokens",
-    "cu_num_draft_tokens",
-    "draft_token_ids",
-    "target_logits_indices",
-    "bonus_logits_indices",
-)
+    converted = backend.batch_to_numpy(batch)
+    return {name: converted[name] for name in DRAFT_FIELDS}
 
 
 def run(backend: BackendHandle, pool: StatePool, steps: Sequence[SchedulerOutput]) -> list[dict[str, Any]]:

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from conformance.backends import BackendHandle
+from conformance.compare import copy_batch, differing_fields
 from conformance.differential import MismatchError
 from spec.errors import InconsistentSchedulerOutputError, ScheduleError
 from spec.protocol import StatePool
@@ -55,35 +56,6 @@ EDITS: dict[str, Callable[[dict[str, Any], random.Random], None]] = {
 }
 
 
-def _copy(batch: dict[str, Any]) -> dict[str, Any]:
-    """A batch in NumPy form that a later prepare cannot change (a backend may reuse its buffers)."""
-    copied = {}
-    for name, value in batch.items():
-        if isinstance(value, tuple) and name != "req_ids":
-            value = tuple(np.array(a) for a in value)
-        elif isinstance(value, np.ndarray):
-            value = np.array(value)
-        copied[name] = value
-    return copied
-
-
-def _differences(want: dict[str, Any], got: dict[str, Any]) -> list[str]:
-    out = []
-    for name, w in want.items():
-        g = got[name]
-        if isinstance(w, tuple) and name != "req_ids":
-            same = len(w) == len(g) and all(
-                a.dtype == b.dtype and np.array_equal(a, b) for a, b in zip(w, g, strict=False)
-            )
-        elif isinstance(w, np.ndarray):
-            same = w.dtype == g.dtype and np.array_equal(w, g)
-        else:
-            same = w == g
-        if not same:
-            out.append(name)
-    return out
-
-
 class ProbedPool:
     def __init__(self, pool: StatePool, handle: BackendHandle, rng: random.Random, rate: float = 0.5) -> None:
         self.pool, self.handle, self.rng, self.rate = pool, handle, rng, rate
@@ -104,7 +76,7 @@ class ProbedPool:
         edit = self.rng.choice(sorted(EDITS))
         EDITS[edit](counts, self.rng)
         try:
-            mutated = _copy(self.handle.batch_to_numpy(self.pool.prepare(sched, pad_to)))
+            mutated = copy_batch(self.handle.batch_to_numpy(self.pool.prepare(sched, pad_to)))
         except Exception as exc:
             detail = f"prepare after the output was mutated ({edit}) raised {exc!r}"
             raise MismatchError(f"{self.handle.name}: {detail}") from exc
@@ -112,7 +84,7 @@ class ProbedPool:
             counts.clear()
             counts.update(saved)
         want = self.handle.batch_to_numpy(self.pool.prepare(sched, pad_to))
-        differ = _differences(want, mutated)
+        differ = differing_fields(want, mutated)
         if differ:
             raise MismatchError(f"{self.handle.name}: mutating the output after apply ({edit}) changed {differ}")
         self.counts["mutated"] += 1

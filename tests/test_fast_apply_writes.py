@@ -15,7 +15,8 @@ import torch
 
 import fast
 import spec
-from conformance.backends import BATCH_ARRAY_FIELDS, to_numpy
+from conformance.backends import BackendHandle, to_numpy
+from conformance.compare import batch_differences
 from conformance.differential import one_torch_thread
 from conformance.scenario import random_scenario
 from conformance.scheduler import ReferenceScheduler
@@ -24,6 +25,7 @@ from fast.state import DeviceState
 from fast.writes import StepWrites, apply_writes
 from spec.types import KVCacheGroup, WorkerConfig
 
+SPEC, FAST = BackendHandle("spec", spec), BackendHandle("fast", fast, to_numpy=to_numpy)
 MODES = [pytest.param(True, marks=[pytest.mark.interpret], id="interpret"), pytest.param(False, id="torch")]
 if not HAVE_TRITON:
     MODES = MODES[1:]
@@ -116,15 +118,8 @@ def _assert_device_matches_spec(pool: fast.RequestStatePool, reference: spec.Req
 
 
 def _assert_batches_equal(got: spec.BatchInputs, want: spec.BatchInputs) -> None:
-    assert got.req_ids == want.req_ids
-    assert (got.num_tokens, got.num_tokens_padded) == (want.num_tokens, want.num_tokens_padded)
-    for name in BATCH_ARRAY_FIELDS:
-        np.testing.assert_array_equal(to_numpy(getattr(got, name)), getattr(want, name), err_msg=name)
-        assert to_numpy(getattr(got, name)).dtype == getattr(want, name).dtype, name
-    for field in ("block_tables", "slot_mappings"):
-        for g, (a, b) in enumerate(zip(getattr(got, field), getattr(want, field), strict=True)):
-            np.testing.assert_array_equal(to_numpy(a), b, err_msg=f"{field}[{g}]")
-            assert to_numpy(a).dtype == b.dtype, f"{field}[{g}]"
+    problems = batch_differences(SPEC.batch_to_numpy(want), FAST.batch_to_numpy(got))
+    assert not problems, "\n".join(problems)
 
 
 @pytest.mark.parametrize("mode", MODES)

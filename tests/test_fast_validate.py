@@ -16,7 +16,8 @@ import pytest
 
 import fast
 import spec
-from conformance.backends import BATCH_ARRAY_FIELDS
+from conformance.backends import BackendHandle
+from conformance.compare import batch_differences, copy_batch
 from conformance.differential import one_torch_thread
 from conformance.driving import sampled_array
 from conformance.mutations import break_output
@@ -99,18 +100,12 @@ def _assert_mirror_equal(fast_pool: fast.RequestStatePool, spec_pool: spec.Reque
         np.testing.assert_array_equal(got.block_tables[g], table)
 
 
-_BATCH_ARRAYS = (*BATCH_ARRAY_FIELDS, "block_tables", "slot_mappings")
+SPEC, FAST = BackendHandle("spec", spec), BackendHandle("fast", fast)
 
 
-def to_numpy(x: object) -> np.ndarray:
-    if isinstance(x, tuple):
-        return np.concatenate([t.numpy().reshape(-1) for t in x]) if x else np.zeros(0)
-    return x.numpy()  # type: ignore[attr-defined]
-
-
-def _assert_batch_equal(batch: spec.BatchInputs, arrays: dict[str, np.ndarray]) -> None:
-    for name in _BATCH_ARRAYS:
-        np.testing.assert_array_equal(to_numpy(getattr(batch, name)), arrays[name], err_msg=name)
+def _assert_batch_equal(batch: spec.BatchInputs, arrays: dict[str, Any]) -> None:
+    problems = batch_differences(arrays, FAST.batch_to_numpy(batch))
+    assert not problems, "\n".join(problems)
 
 
 def _assert_released_tails(fast_pool: fast.RequestStatePool, state: PoolState) -> None:
@@ -157,7 +152,7 @@ def _agree(seed: int) -> None:
         if previous is not None:  # a later step must not change an earlier batch's arrays
             _assert_batch_equal(previous[0], previous[1])
         batch_spec, batch_fast = spec_pool.prepare(out), fast_pool.prepare(out)
-        previous = (batch_fast, {name: to_numpy(getattr(batch_fast, name)).copy() for name in _BATCH_ARRAYS})
+        previous = (batch_fast, copy_batch(FAST.batch_to_numpy(batch_fast)))
         takes = scheduler.sampling_req_ids(out)
         drawn = {r: rng.randrange(config.vocab_size) for r in batch_spec.req_ids}
         kept = scheduler.rejection_step(out, {r: t for r, t in drawn.items() if r in takes})
@@ -288,11 +283,7 @@ def test_mixed_step_takes_the_bulk_path(kernels: bool, monkeypatch: pytest.Monke
         assert fast_pool.released.tails[1] is not None and fast_pool.released.tails[1][3] == 0  # E's null entry
         assert fast_pool.snapshot() == spec_pool.snapshot()
         want, got = spec_pool.prepare(step), fast_pool.prepare(step)
-        assert got.req_ids == want.req_ids
-        for name in _BATCH_ARRAYS:
-            expected = getattr(want, name)  # spec's arrays are NumPy
-            expected = np.concatenate([a.reshape(-1) for a in expected]) if isinstance(expected, tuple) else expected
-            np.testing.assert_array_equal(to_numpy(getattr(got, name)), expected, err_msg=name)
+        _assert_batch_equal(got, SPEC.batch_to_numpy(want))
         if kernels:  # the device tensors themselves, not the mirror
             rows = [r.row for r in spec_pool.snapshot()]
             np.testing.assert_array_equal(fast_pool.dev.num_computed.numpy(), spec_pool.state.num_computed_tokens)

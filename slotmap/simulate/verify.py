@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from conformance.backends import BackendHandle, load_backend
-from conformance.driving import draft_fields
+from conformance.compare import differing_fields
 from conformance.tolerance import as_float64, tolerance
 from slotmap.tiny.engine import Engine, StepResult
 from slotmap.tiny.kv_caches import PagedKV
@@ -85,21 +85,7 @@ class SpecVerifier:
         self.pool.record_sampled(spec_batch, pad_accepted(result.kept))
 
     def _compare_batches(self, batch: BatchInputs) -> None:
-        ours = self.engine.backend.batch_to_numpy(batch) | draft_fields(self.engine.backend, batch)
-        theirs = self.spec.batch_to_numpy(self._spec_batch) | draft_fields(self.spec, self._spec_batch)  # type: ignore[arg-type]
-        for name, expected in theirs.items():
-            got = ours[name]
-            if expected is None or got is None:  # the draft fields of a step without drafts
-                same = expected is None and got is None
-            elif isinstance(expected, tuple) and expected and isinstance(expected[0], np.ndarray):
-                same = len(got) == len(expected) and all(_equal(a, b) for a, b in zip(got, expected, strict=True))
-            elif isinstance(expected, np.ndarray):
-                same = got is not None and _equal(got, expected)
-            else:
-                same = got == expected
-            if not same:
-                self.mismatches.append(f"step {self._step}: BatchInputs.{name} differs from spec")
-
-
-def _equal(a: np.ndarray, b: np.ndarray) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and bool((a == b).all())
+        ours = self.engine.backend.batch_to_numpy(batch)
+        theirs = self.spec.batch_to_numpy(self._spec_batch)  # type: ignore[arg-type]
+        for name in differing_fields(theirs, ours):
+            self.mismatches.append(f"step {self._step}: BatchInputs.{name} differs from spec")

@@ -1,0 +1,74 @@
+"""The one way the suite says "these batches differ": field by field, integers exactly, dtype and shape included.
+
+Batches are compared in BackendHandle.batch_to_numpy's form (every BatchInputs field in NumPy or Python
+form, the draft fields None in a step without drafts). Each difference is one line naming the field
+(`slot_mappings[1]`, `draft_token_ids`) and, for arrays, how many entries differ and the first few: a
+padded array can be thousands long.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+SHOWN = 8  # differing entries listed per array
+
+
+def batch_differences(want: Mapping[str, Any], got: Mapping[str, Any]) -> list[str]:
+    """One line per field of `want` that `got` does not match (empty: the batches agree)."""
+    problems = []
+    for name, w in want.items():
+        if name not in got:
+            problems.append(f"{name}: missing")
+            continue
+        g = got[name]
+        if w is None or g is None:  # a draft field of a step without drafts
+            if (w is None) != (g is None):
+                problems.append(f"{name}: {_brief(g)}, expected {_brief(w)}")
+        elif isinstance(w, tuple) and name != "req_ids":  # per KV group
+            if len(w) != len(g):
+                problems.append(f"{name}: {len(g)} groups, expected {len(w)}")
+            problems += [array_difference(f"{name}[{i}]", a, b) for i, (a, b) in enumerate(zip(w, g, strict=False))]
+        elif isinstance(w, np.ndarray):
+            problems.append(array_difference(name, w, g))
+        elif w != g:
+            problems.append(f"{name}: {g!r}, expected {w!r}")
+    return [p for p in problems if p]
+
+
+def differing_fields(want: Mapping[str, Any], got: Mapping[str, Any]) -> list[str]:
+    """The names of the fields batch_differences reports."""
+    return sorted({line.split(":")[0].split("[")[0] for line in batch_differences(want, got)})
+
+
+def array_difference(name: str, want: np.ndarray, got: Any) -> str:
+    """ "" if `got` equals `want` exactly (dtype, shape, values), else one line saying how it differs."""
+    got = np.asarray(got)
+    if got.dtype != want.dtype:
+        return f"{name}: dtype {got.dtype}, expected {want.dtype}"
+    if got.shape != want.shape:
+        return f"{name}: shape {got.shape}, expected {want.shape}"
+    if np.array_equal(got, want):
+        return ""
+    where = np.argwhere(got != want)
+    shown = ", ".join(f"{tuple(i)}: got {got[tuple(i)]}, expected {want[tuple(i)]}" for i in where[:SHOWN].tolist())
+    more = f" (and {len(where) - SHOWN} more)" if len(where) > SHOWN else ""
+    return f"{name}: {len(where)} of {want.size} entries differ: {shown}{more}"
+
+
+def copy_batch(batch: Mapping[str, Any]) -> dict[str, Any]:
+    """A batch in NumPy form that a later prepare cannot change (a backend may reuse its buffers)."""
+    copied = {}
+    for name, value in batch.items():
+        if isinstance(value, tuple) and name != "req_ids":
+            value = tuple(np.array(a) for a in value)
+        elif isinstance(value, np.ndarray):
+            value = np.array(value)
+        copied[name] = value
+    return copied
+
+
+def _brief(value: Any) -> str:
+    return "None" if value is None else f"{np.asarray(value).size} entries"
