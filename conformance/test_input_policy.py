@@ -20,7 +20,7 @@ from conformance.backends import BackendHandle
 from conformance.differential import Pair, one_torch_thread
 from spec import CachedRequest, KVCacheGroup, NewRequest, SchedulerOutput, WorkerConfig
 from spec.errors import BlockIdError, InconsistentSchedulerOutputError, ScheduleError, TokenIdError
-from spec.types import BatchInputs
+from spec.types import PAD_SLOT_ID, BatchInputs
 
 # one full-attention group and one sliding-window group, block size 4 in both
 CONFIG = WorkerConfig(
@@ -345,9 +345,20 @@ def test_counts_of_unsigned_and_signed_numpy_types_together(backend: BackendHand
 
 @pytest.mark.parametrize("pad_to", [np.int64(12), np.int32(12), 12])
 def test_pad_to_of_any_integer_type(backend: BackendHandle, pad_to: Any) -> None:
+    """The batch is padded to 12 tokens (run_step holds the backend's batch equal to spec's, checked here)."""
     pair = _pair(backend)
     out = AnyOutput(cached_requests=(AnyCached("a", 6),), num_scheduled_tokens={"a": 1})
-    pair.run_step(out, pad_to, _ones)
+    seen: list[BatchInputs] = []
+
+    def sampled(batch: BatchInputs) -> list[int]:
+        seen.append(batch)
+        return _ones(batch)
+
+    pair.run_step(out, pad_to, sampled)
+    batch = seen[0]
+    assert (batch.num_tokens, batch.num_tokens_padded) == (1, 12)
+    assert np.asarray(batch.positions).tolist() == [6] + [0] * 11
+    assert np.asarray(batch.slot_mappings[0])[1:].tolist() == [PAD_SLOT_ID] * 11
 
 
 @pytest.mark.parametrize("pad_to", [True, 12.0, "12", 0], ids=["bool", "float", "str", "too small"])
