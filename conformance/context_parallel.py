@@ -164,21 +164,28 @@ class SingleRank:
         return outs
 
 
-def check_merged(handle: BackendHandle, functions: types.SimpleNamespace, partials: list[Partials],
-                 reference: dict[type, list[np.ndarray]], num_tokens: int) -> None:  # fmt: skip
-    """The ranks' partials merged equal the single-rank attention; each rank's replicated output equals it too."""
-    outputs = handle.asarray(np.stack([handle.to_numpy(p.output) for p in partials]))
-    lses = handle.asarray(np.stack([handle.to_numpy(p.lse) for p in partials]))
-    merged, merged_lse = functions.merge_attention_states(outputs, lses)
-    merged_np, lse_np = handle.to_numpy(merged), handle.to_numpy(merged_lse)
-    assert np.all(merged_np[num_tokens:] == 0), "padding rows of the merged output must be zero"
-    assert np.all(lse_np[num_tokens:] == -np.inf), "padding rows of the merged LSE must be -inf (empty)"
-    assert np.isfinite(lse_np[:num_tokens]).all(), "every real query sees at least itself on some rank"
+def merge_partials(handle: BackendHandle, functions: types.SimpleNamespace, outputs: list[Any],
+                   lses: list[Any]) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    """The backend's merge of the ranks' partial states (each [T, H, D] and [T, H]), as NumPy."""
+    stacked = handle.asarray(np.stack([handle.to_numpy(o) for o in outputs]))
+    merged, merged_lse = functions.merge_attention_states(
+        stacked, handle.asarray(np.stack([handle.to_numpy(x) for x in lses]))
+    )
+    return handle.to_numpy(merged), handle.to_numpy(merged_lse)
+
+
+def check_attention(merged: np.ndarray, merged_lse: np.ndarray, replicated: list[np.ndarray],
+                    reference: dict[type, list[np.ndarray]], num_tokens: int) -> None:  # fmt: skip
+    """The merged partials equal the single-rank attention of the sharded group (tolerance.py's rule), and
+    every rank's attention over its replicated group equals the single-rank one too."""
+    assert np.all(merged[num_tokens:] == 0), "padding rows of the merged output must be zero"
+    assert np.all(merged_lse[num_tokens:] == -np.inf), "padding rows of the merged LSE must be -inf (empty)"
+    assert np.isfinite(merged_lse[:num_tokens]).all(), "every real query sees at least itself on some rank"
     ref64, low = reference[np.float64], reference[np.float32]
-    assert_attention_close(merged_np, ref64[SHARDED], low[SHARDED], "float32")
-    for rank, p in enumerate(partials):
+    assert_attention_close(merged, ref64[SHARDED], low[SHARDED], "float32")
+    for rank, out in enumerate(replicated):
         try:
-            assert_attention_close(handle.to_numpy(p.replicated), ref64[REPLICATED], low[REPLICATED], "float32")
+            assert_attention_close(out, ref64[REPLICATED], low[REPLICATED], "float32")
         except AssertionError as e:
             raise AssertionError(f"rank {rank}, replicated group: {e}") from e
 

@@ -20,10 +20,11 @@ from conformance.context_parallel import (
     RankModel,
     SingleRank,
     TinyQKV,
-    check_merged,
+    check_attention,
     check_rank_slots,
     cp_functions,
     cp_worker_config,
+    merge_partials,
 )
 from conformance.scheduler import ReferenceScheduler, make_workload
 from spec.context_parallel import ContextParallel
@@ -64,7 +65,10 @@ def test_every_rank_matches_spec_and_merges_to_single_rank(
                 assert got_slots.dtype == np.int64 and got_lens.dtype == np.int32
         check_rank_slots(backend.batch_to_numpy(batch), [r for r, _ in results], config, world_size, interleave,
                          backend.to_numpy)  # fmt: skip
-        check_merged(backend, functions, [p for _, p in results], single.step(spec_batch), spec_batch.num_tokens)
+        partials = [p for _, p in results]
+        merged, merged_lse = merge_partials(backend, functions, [p.output for p in partials], [p.lse for p in partials])
+        replicated = [backend.to_numpy(p.replicated) for p in partials]
+        check_attention(merged, merged_lse, replicated, single.step(spec_batch), spec_batch.num_tokens)
         targets = {r: int(rng.integers(config.vocab_size)) for r in sched.sampling_req_ids(out)}
         ids = np.array([targets.get(r, 0) for r in spec_batch.req_ids], np.int64)
         pool.record_sampled(batch, backend.asarray(ids))
