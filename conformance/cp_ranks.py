@@ -88,16 +88,15 @@ def _run(rank: int, world_size: int, interleave: int, backend: str, seed: int, m
                                                      max_new_tokens=8), CP_KNOBS, seed=seed)  # fmt: skip
     rng = np.random.default_rng(seed)
     for step in range(max_steps):
-        message: list[object] = [None]
+        message: list[tuple[SchedulerOutput, int | None, dict[str, int]] | None] = [None]
         if rank == 0 and not sched.done():
-            out = sched.schedule()
-            message = [
-                (out, sched.pad_to(out), {r: int(rng.integers(config.vocab_size)) for r in sched.sampling_req_ids(out)})
-            ]
+            scheduled = sched.schedule()
+            sampled = {r: int(rng.integers(config.vocab_size)) for r in sched.sampling_req_ids(scheduled)}
+            message = [(scheduled, sched.pad_to(scheduled), sampled)]
         dist.broadcast_object_list(message, src=0)
         if message[0] is None:
             return step
-        out, pad_to, targets = message[0]  # type: ignore[misc]
+        out, pad_to, targets = message[0]
         pool.apply(out)
         spec_pool.apply(out)
         batch, spec_batch = pool.prepare(out, pad_to), spec_pool.prepare(out, pad_to)

@@ -24,6 +24,9 @@ BOUNDARIES = "conformance/test_boundaries.py"
 PIPELINE = "conformance/test_pipeline.py"
 INVALID = "conformance/test_invalid.py"
 TARGETED = "conformance/test_targeted.py"
+CONTEXT_PARALLEL = "conformance/test_context_parallel.py"
+CP_RANKS = "conformance/test_context_parallel_ranks.py"
+CP_UNIT = "tests/test_context_parallel.py"
 
 MUTANTS: tuple[Mutant, ...] = (
     Mutant(
@@ -105,5 +108,45 @@ MUTANTS: tuple[Mutant, ...] = (
         "if num_computed[i] < 0 or last[i] >= num_known[rows[i]] + k:",
         "if num_computed[i] < 0 or last[i] > num_known[rows[i]] + k:",
         (INVALID,),
+    ),
+    Mutant(
+        "cp-transform-on-replicated-group",
+        "context parallelism: a replicated group keeps the pool's slots on every rank (vLLM PR #57260)",
+        "fast/context_parallel.py",
+        "        if cp.is_sharded(g):\n            bs = cp.block_size(config, g)",
+        "        if True:\n            bs = cp.block_size(config, g)",
+        (CONTEXT_PARALLEL, CP_RANKS),
+    ),
+    Mutant(
+        "spec-cp-transform-on-replicated-group",
+        "context parallelism: a replicated group keeps the pool's slots on every rank (vLLM PR #57260)",
+        "spec/context_parallel.py",
+        "        if cp.is_sharded(g):\n            bs = cp.block_size(config, g)",
+        "        if True:\n            bs = cp.block_size(config, g)",
+        (CONTEXT_PARALLEL,),
+    ),
+    Mutant(
+        "cp-merge-empty-states-nan",
+        "context parallelism: merging empty states (LSE -inf) gives output 0, never NaN (FlashInfer #4051)",
+        "fast/context_parallel.py",
+        "    safe = torch.where(empty, 1.0, total)\n",
+        "    safe = total\n",
+        (CP_UNIT, CONTEXT_PARALLEL),
+    ),
+    Mutant(
+        "cp-merge-unguarded-shift-nan",
+        "context parallelism: merging empty states (LSE -inf) gives output 0, never NaN (FlashInfer #4051)",
+        "fast/context_parallel.py",
+        '    shift = torch.where(peak == float("-inf"), 0.0, peak)\n    weights = torch.exp(lses_acc',
+        "    shift = peak\n    weights = torch.exp(lses_acc",
+        (CP_UNIT, CONTEXT_PARALLEL),
+    ),
+    Mutant(
+        "spec-cp-merge-empty-states-nan",
+        "context parallelism: merging empty states (LSE -inf) gives output 0, never NaN (FlashInfer #4051)",
+        "spec/context_parallel.py",
+        "    safe = np.where(empty, dtype(1), total)\n",
+        "    safe = total\n",
+        (CP_UNIT,),
     ),
 )
