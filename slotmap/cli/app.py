@@ -68,6 +68,12 @@ def explain(
         typer.Option(min=0, help="with --seed: the scheduler drafts up to K tokens per request (speculative "
                      "decoding); the step shows which tokens are drafts, their slots and logits rows"),
     ] = 0,
+    cp: Annotated[
+        int,
+        typer.Option(min=1, help="also show each rank's slots under decode context parallelism over N ranks (the "
+                     "pool's block of a group without a sliding window is the virtual block of N ranks' blocks)"),
+    ] = 1,
+    interleave: Annotated[int, typer.Option(min=1, help="with --cp: consecutive positions per rank's turn")] = 1,
 ) -> None:
     """Show one step in the four index spaces: state rows, batch, flat tokens, each token's path to its slot."""
     from conformance.backends import load_backend
@@ -88,6 +94,14 @@ def explain(
     ex = explain_step(view)
     console = Console()
     render(ex, console)
+    if cp > 1 or interleave > 1:
+        from slotmap.pictures.ranks import explain_ranks, render_ranks
+
+        try:
+            ranks = explain_ranks(view, cp, interleave)
+        except ValueError as e:  # a block size the ranks cannot split
+            raise typer.BadParameter(str(e)) from e
+        render_ranks(ranks, console)
     for path, fmt in ((svg, "svg"), (png, "png")):
         if path is not None:
             from slotmap.pictures.drawing import save_picture
