@@ -66,6 +66,7 @@ class BackendHandle:
     module: Backend
     asarray: Callable[[np.ndarray], Any] = field(default=lambda a: a)  # NumPy -> backend array
     to_numpy: Callable[[Any], np.ndarray] = field(default=to_numpy)  # backend array -> NumPy
+    slow: bool = False  # ~100x slower per step (kernels through Triton's interpreter): a small suite budget
 
     def make_pool(self, config: WorkerConfig) -> StatePool:
         return self.module.RequestStatePool(config)
@@ -163,7 +164,7 @@ def fast_handle(interpret: bool) -> BackendHandle:
     def asarray(array: np.ndarray) -> torch.Tensor:
         return torch.tensor(np.asarray(array), device=device)
 
-    return BackendHandle(name, _ModeBackend(device, interpret), asarray, to_numpy)
+    return BackendHandle(name, _ModeBackend(device, interpret), asarray, to_numpy, slow=interpret)
 
 
 def canonical_name(name: str) -> str:

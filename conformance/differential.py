@@ -360,8 +360,8 @@ class Budget:
     max_model_len: int
 
 
-def budget_for(backend_name: str, profile_examples: int, scale: float = 1.0) -> Budget:
-    if backend_name == "fast-interpret":
+def budget_for(backend: BackendHandle, profile_examples: int, scale: float = 1.0) -> Budget:
+    if backend.slow:
         return Budget(max(2, round(profile_examples * scale / 8)), 8, 3, 48)
     return Budget(max(1, round(profile_examples * scale * 4)), 200, 12, 160)
 

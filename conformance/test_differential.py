@@ -29,7 +29,7 @@ def _single_thread() -> object:
 
 
 def test_backends_agree_on_every_step(backend: BackendHandle, conformance_scale: float) -> None:
-    budget = budget_for(backend.name, settings().max_examples, conformance_scale)
+    budget = budget_for(backend, settings().max_examples, conformance_scale)
 
     @settings(
         max_examples=budget.examples,

@@ -33,7 +33,7 @@ def _single_thread() -> object:
 
 
 def test_invalid_outputs_are_rejected_identically(backend: BackendHandle, conformance_scale: float) -> None:
-    budget = budget_for(backend.name, settings().max_examples, conformance_scale / 2)
+    budget = budget_for(backend, settings().max_examples, conformance_scale / 2)
 
     @settings(
         max_examples=budget.examples,
@@ -94,7 +94,7 @@ def test_every_malformation_is_provoked_and_survived(backend: BackendHandle, nam
 
 def test_stale_batches_and_mutated_outputs_change_nothing(backend: BackendHandle, conformance_scale: float) -> None:
     """Between the calls of valid steps: an earlier or recorded batch is refused, a mutated output ignored."""
-    budget = budget_for(backend.name, settings().max_examples, conformance_scale / 8)
+    budget = budget_for(backend, settings().max_examples, conformance_scale / 8)
     probed = {"mutated": 0, "stale": 0}
 
     @settings(

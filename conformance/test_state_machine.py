@@ -75,7 +75,7 @@ def _machine(backend: BackendHandle, budget: Budget) -> type[RuleBasedStateMachi
 
 
 def test_state_machine_agrees_with_spec(backend: BackendHandle, conformance_scale: float) -> None:
-    budget = budget_for(backend.name, settings().max_examples, conformance_scale / 2)
+    budget = budget_for(backend, settings().max_examples, conformance_scale / 2)
     machine = _machine(backend, budget)
     with one_torch_thread():
         run_state_machine_as_test(
