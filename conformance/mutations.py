@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from conformance.malformed import CHECK_ONE, edit
-from conformance.mutations_drafts import with_draft_faults
+from conformance.mutations_drafts import draft_fault_or
 from spec.errors import (
     ALL_ERRORS,
     BlockIdError,
@@ -512,6 +512,14 @@ def malformation_breaker(
 def break_output(
     cls: type[ScheduleError], out: SchedulerOutput, config: WorkerConfig, snapshot: PoolSnapshot, rng: random.Random
 ) -> tuple[SchedulerOutput, type[ScheduleError]] | None:
+    """A fault of class `cls` in `out`: a draft fault (conformance/mutations_drafts.py) part of the time, else
+    one of BREAKERS."""
+    return draft_fault_or(_plain_fault, cls, out, config, snapshot, rng)
+
+
+def _plain_fault(
+    cls: type[ScheduleError], out: SchedulerOutput, config: WorkerConfig, snapshot: PoolSnapshot, rng: random.Random
+) -> tuple[SchedulerOutput, type[ScheduleError]] | None:
     broken = BREAKERS[cls](_Ctx(out, config, snapshot, rng))
     return None if broken is None else (broken, cls)
 
@@ -527,6 +535,3 @@ def breaker(
         return break_output(cls, out, config, snapshot, rng)
 
     return apply
-
-
-break_output = with_draft_faults(break_output)  # type: ignore[assignment]  # draft faults mixed in (issue 12)

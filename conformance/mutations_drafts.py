@@ -6,8 +6,8 @@ draft id outside the vocabulary or not an integer, a step that ends before or af
 on a mid-prefill chunk, drafts that run past max_model_len or past the request's blocks. Each mutation
 keeps every check that runs before its class passing, so the class is known by construction.
 
-`with_draft_faults(break_output)` wraps conformance.mutations.break_output: where a draft fault of the
-class asked for exists it is used part of the time (always for UnknownTokenError on an output with
+conformance.mutations.break_output composes them with its own through `draft_fault_or`: where a draft
+fault of the class asked for exists it is used part of the time (always for UnknownTokenError on an output with
 drafts, where moving num_computed by one, the generic fault, may land exactly on a draft and stay valid).
 """
 
@@ -184,20 +184,18 @@ def break_drafts(
     return None if broken is None else (broken, cls)
 
 
-def with_draft_faults(break_output: BreakOutput) -> BreakOutput:
-    """`break_output` that also makes draft faults (see the module docstring)."""
-    if getattr(break_output, "makes_draft_faults", False):
-        return break_output
-
-    def broken(
-        cls: type[ScheduleError], out: SchedulerOutput, config: WorkerConfig, snapshot: PoolSnapshot, rng: random.Random
-    ) -> tuple[SchedulerOutput, type[ScheduleError]] | None:
-        has_drafts = any(len(d) for d in out.scheduled_spec_decode_tokens.values())
-        if (cls is UnknownTokenError and has_drafts) or rng.random() < 0.4:
-            drafted = break_drafts(cls, out, config, snapshot, rng)
-            if drafted is not None or (cls is UnknownTokenError and has_drafts):
-                return drafted
-        return break_output(cls, out, config, snapshot, rng)
-
-    broken.makes_draft_faults = True  # type: ignore[attr-defined]
-    return broken
+def draft_fault_or(
+    plain: BreakOutput,
+    cls: type[ScheduleError],
+    out: SchedulerOutput,
+    config: WorkerConfig,
+    snapshot: PoolSnapshot,
+    rng: random.Random,
+) -> tuple[SchedulerOutput, type[ScheduleError]] | None:
+    """A draft fault of class `cls` part of the time (see the module docstring), else `plain`'s fault."""
+    has_drafts = any(len(d) for d in out.scheduled_spec_decode_tokens.values())
+    if (cls is UnknownTokenError and has_drafts) or rng.random() < 0.4:
+        drafted = break_drafts(cls, out, config, snapshot, rng)
+        if drafted is not None or (cls is UnknownTokenError and has_drafts):
+            return drafted
+    return plain(cls, out, config, snapshot, rng)

@@ -24,16 +24,14 @@ from hypothesis.stateful import (
 from conformance import mutations
 from conformance.backends import BackendHandle
 from conformance.differential import Breaker, Budget, DifferentialRun, MismatchError, budget_for, one_torch_thread
-from conformance.mutations_drafts import with_draft_faults
 from conformance.scenario import Scenario
 from conformance.strategies import breakages, scenarios
 from spec.errors import ScheduleError
 
 
 def breaker(cls: type[ScheduleError], rng: random.Random) -> Breaker:
-    """conformance.mutations' breaker, with the draft faults of conformance.mutations_drafts."""
-    break_output = with_draft_faults(mutations.break_output)
-    return lambda out, config, snapshot: break_output(cls, out, config, snapshot, rng)
+    """conformance.mutations' breaker (draft faults included)."""
+    return lambda out, config, snapshot: mutations.break_output(cls, out, config, snapshot, rng)
 
 
 def _machine(backend: BackendHandle, budget: Budget) -> type[RuleBasedStateMachine]:
