@@ -8,6 +8,7 @@ table left stale by a half-done rejection (the interpreter's separate device sta
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
@@ -18,6 +19,7 @@ import pytest
 import spec
 from conformance.backends import BackendHandle
 from conformance.differential import Pair, one_torch_thread
+from conformance.probes import EDITS
 from spec import CachedRequest, KVCacheGroup, NewRequest, SchedulerOutput, WorkerConfig
 from spec.errors import BlockIdError, InconsistentSchedulerOutputError, ScheduleError, TokenIdError
 from spec.types import PAD_SLOT_ID, BatchInputs
@@ -372,21 +374,9 @@ def test_pad_to_that_is_not_an_integer_at_least_the_tokens_is_refused(backend: B
 
 
 # ---- 6. an output is frozen at apply ----------------------------------------------------------------------
-def _move_to_end(d: dict[str, int], key: str) -> None:
-    d[key] = d.pop(key)
-
-
-MUTATIONS: dict[str, Callable[[dict[str, int]], object]] = {
-    "count raised": lambda d: d.update(a=3),
-    "request removed": lambda d: d.pop("b"),
-    "ghost added": lambda d: d.update(ghost=2),
-    "tie order changed": lambda d: _move_to_end(d, "a"),
-    "cleared": lambda d: d.clear(),
-}
-
-
-@pytest.mark.parametrize("mutation", sorted(MUTATIONS))
+@pytest.mark.parametrize("mutation", sorted(EDITS))
 def test_mutating_the_output_after_apply_changes_nothing(backend: BackendHandle, mutation: str) -> None:
+    """conformance.probes' edits of num_scheduled_tokens (the ones the probed differential runs make at random)."""
     pair = _pair(backend)
     reference = _pair(BackendHandle("spec", spec))
 
@@ -405,7 +395,7 @@ def test_mutating_the_output_after_apply_changes_nothing(backend: BackendHandle,
     for side in (pair.ref, pair.cand):
         sched = out()
         side.pool.apply(sched)
-        MUTATIONS[mutation](sched.num_scheduled_tokens)
+        EDITS[mutation](sched.num_scheduled_tokens, random.Random(0))
         sched.new_requests[0].prompt_token_ids.append(23)
         got = side.handle.batch_to_numpy(side.pool.prepare(sched))
         for name, value in want_batch.items():
