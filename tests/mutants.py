@@ -131,7 +131,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "fast/context_parallel.py",
         "    safe = torch.where(empty, 1.0, total)\n",
         "    safe = total\n",
-        (CP_UNIT, CONTEXT_PARALLEL),
+        (CP_UNIT, CONTEXT_PARALLEL, CP_RANKS),
     ),
     Mutant(
         "cp-merge-unguarded-shift-nan",
