@@ -7,7 +7,8 @@ group's KV at its own slots (and all of the replicated group's), computes its pa
 all-gathers the partial outputs and LSEs; every rank merges them and checks the result against spec's
 single-rank attention (conformance.context_parallel.check_attention). Rank 0 also gathers every rank's
 slots and checks that together they partition the step's tokens as the round-robin definition says.
-Partials travel as CPU tensors, which gloo moves on every platform.
+Partials travel as CPU tensors over gloo, on every platform: NCCL needs a GPU of its own per rank, which
+the suite's machines (none, or one) do not have.
 """
 
 from __future__ import annotations
