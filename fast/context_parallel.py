@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from fast.attention import check_attention_tensors
 from fast.runtime import use_triton
 from spec.attention import check_attention_inputs
 from spec.context_parallel import (
@@ -115,6 +116,7 @@ def partial_paged_attention(
         query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
         scale=scale, sliding_window=None, softcap=softcap,
     )  # fmt: skip
+    check_attention_tensors(query, key_cache, value_cache, block_table, seq_lens, query_start_loc)  # as fast's own
     block_size, num_kv_heads = key_cache.shape[1:3]
     num_heads = query.shape[1]
     device = query.device

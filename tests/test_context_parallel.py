@@ -73,6 +73,25 @@ def test_slots_lengths_and_positions_follow_the_round_robin_definition(layout, p
     )
 
 
+@pytest.mark.parametrize("mode", [False, True], ids=["torch", "interpret"])
+def test_an_empty_batch_has_only_padding_on_every_rank(mode: bool) -> None:
+    """A step that only finishes requests: no rows, maybe padded tokens; every slot PAD, every state empty."""
+    cp = ContextParallel(2, 1)
+    positions, qsl, table = np.zeros(3, np.int64), np.zeros(1, np.int32), np.zeros((0, 2), np.int32)
+    assert np.all(spec_cp.cp_slot_mapping(positions, qsl, table, 4, cp) == PAD_SLOT_ID)
+    with interpret(mode):
+        slots = fast_cp.cp_slot_mapping(
+            torch.from_numpy(positions), torch.from_numpy(qsl), torch.from_numpy(table), 4, cp
+        )
+    assert slots.tolist() == [PAD_SLOT_ID] * 3
+    caches = torch.zeros((2, 3, 4, 1, 2))
+    out, lse = fast_cp.partial_paged_attention(
+        torch.ones((3, 1, 2)), caches[0], caches[1], torch.from_numpy(table), torch.zeros(0, dtype=torch.int32),
+        torch.from_numpy(qsl), cp=cp, scale=1.0,
+    )  # fmt: skip
+    assert torch.all(out == 0) and torch.all(lse == float("-inf"))
+
+
 def _rank_caches(cp: ContextParallel, bs: int, lens: np.ndarray, tables: np.ndarray, kv: list[np.ndarray],
                  dtype: type) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
     """Rank cp.rank's caches holding every position of every row (kv[row]: [L, 2, KV, D]), written at its slots."""
