@@ -9,7 +9,9 @@ the logits (q.k times scale, soft-capped), a running max, the rescaled sum and t
 Keys a row may not see inside the walked range (causal within the tile, the window of later queries) get
 -inf before the softmax; keys outside the range are never read, so unwritten slots may hold anything.
 
-Decode, prefill and mixed batches take the same loop (a decode item is a tile of one query). Cache
+Decode, prefill and mixed batches take the same loop (a decode item is a tile of one query), except rows of
+many queries without soft-cap, which fast.cpu.prefill hands to torch's SDPA after one gather (there the
+matrix products, not the reads, are the cost, and SDPA's are several times faster). Cache
 elements are widened to float32 as they are loaded (fast.cpu.lanes), so a float16 or bfloat16 cache is
 never converted in memory. Non-finite inputs follow IEEE arithmetic as spec does: a NaN in a row's
 visible logits makes the row NaN.
@@ -23,6 +25,7 @@ import torch
 from numba import njit, prange
 
 from fast.cpu.lanes import exp, tanh, widen
+from fast.cpu.prefill import prefill_sdpa, sdpa_rows
 
 # reassociation lets LLVM vectorise the dot products and sums; no nnan/ninf, so NaN and inf stay IEEE
 FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
@@ -53,6 +56,11 @@ def paged_attention_cpu(
     table, lens, starts = (t.numpy() for t in (block_table, seq_lens, query_start_loc))
     items = plan_items(lens, starts, table, query.shape[0], num_blocks, block_size, num_kv_heads, query_tile(group),
                        sliding_window or 0)  # fmt: skip
+    prefill = sdpa_rows(query, starts, scale=scale, softcap=softcap)  # [k] rows torch's SDPA computes faster
+    if prefill.size:
+        prefill_sdpa(out, query, key_cache, value_cache, table, lens, starts, prefill, scale=scale,
+                     sliding_window=sliding_window)  # fmt: skip
+        items = items[~np.isin(items[:, 0], prefill)]
     if items.shape[0] == 0:
         return
     torch_threads = torch.get_num_threads()
