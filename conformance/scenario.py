@@ -111,4 +111,5 @@ def random_scenario(seed: int, spec_decode: bool = False) -> Scenario:
     if spec_decode:
         knobs = replace(knobs, spec_tokens=spec_tokens, acceptance_rate=acceptance_rate,
                         drafts_on_admission=rng.random() < 0.5)  # fmt: skip
+    knobs = replace(knobs, null_lookahead=rng.random() < 0.5)  # drawn last: earlier seeds' draws stay as they were
     return Scenario(config, workload, knobs, attention, scenario_seed)

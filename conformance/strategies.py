@@ -106,6 +106,7 @@ def scheduler_knobs(draw: st.DrawFn, config: WorkerConfig) -> SchedulerKnobs:
         spec_tokens=draw(st.sampled_from(SPEC_TOKENS)),
         acceptance_rate=draw(st.sampled_from(ACCEPTANCE_RATES)),
         drafts_on_admission=draw(st.booleans()),
+        null_lookahead=draw(st.booleans()),
     )
 
 

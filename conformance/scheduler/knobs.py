@@ -21,3 +21,6 @@ class SchedulerKnobs:
     # drafts on a request's first step (new or resumed), which vLLM never sends (its drafts come from the
     # step before) but spec accepts: a new request may take a row freed in the same output and draft at once
     drafts_on_admission: bool = False
+    # a continuing request in a sliding-window group may be sent a null placeholder past its last block, once
+    # its table covers every position it can still reach (spec accepts an entry nothing reads or writes)
+    null_lookahead: bool = False

@@ -218,7 +218,7 @@ class ReferenceScheduler:
             n = self._make_room(req, want, step, finished)
             if n == 0:
                 continue  # req left the running list (preempted or aborted); index i is the next one
-            new_ids = self._grow(req, n)
+            new_ids = self._null_lookahead(req, self._grow(req, n))
             step.add(req.req_id, n)
             self._schedule_drafts(req, drafts[: max(0, req.num_computed + n - req.num_tokens)], step)
             step.cached.append(
@@ -364,6 +364,24 @@ class ReferenceScheduler:
             req.pool_tables[g] += new
             added.append(tuple(new))
         return tuple(added)
+
+    def _null_lookahead(self, req: SchedRequest, added: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], ...]:
+        """Knob null_lookahead: a null entry after the last block of a windowed group whose table already covers
+        every position the request can still write (its final length is bounded by max_new_tokens)."""
+        if not self.knobs.null_lookahead:
+            return added
+        final_len = min(len(req.spec.prompt_token_ids) + req.spec.max_new_tokens, self.config.max_model_len)
+        out = list(added)
+        for g, group in enumerate(self.groups):
+            table = req.pool_tables[g]
+            covered = (final_len - 1) // group.block_size < len(table)
+            room = len(table) < self.config.max_blocks_per_req(g)
+            if group.sliding_window and covered and room and table[-1:] != [NULL_BLOCK_ID] and self.rng.random() < 0.5:
+                req.blocks[g].append(NULL_BLOCK_ID)
+                table.append(NULL_BLOCK_ID)
+                out[g] = (*out[g], NULL_BLOCK_ID)
+                self.stats.null_lookaheads += 1
+        return tuple(out)
 
     def _release_out_of_window(self, req: SchedRequest) -> None:
         for g, group in enumerate(self.groups):

@@ -19,6 +19,7 @@ class SchedulerStats:
     prefix_hit_tokens: int = 0  # num_computed_tokens > 0 handed to new or resumed requests
     full_prefix_hits: int = 0  # whole known sequence cached: the last token is recomputed in a shared block
     window_releases: int = 0  # blocks released by sliding windows
+    null_lookaheads: int = 0  # null placeholders appended by continuing requests (knob null_lookahead)
     window_reuses: int = 0  # released blocks handed back to the request whose table still lists them
     padded_steps: int = 0
     drafts_scheduled: int = 0  # draft tokens sent in scheduled_spec_decode_tokens
