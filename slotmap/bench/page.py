@@ -18,6 +18,12 @@ STAGES = (  # (stage, what it times, the provider every ratio divides by); stage
     ("write_kv", "write this step's keys and values to their slots (reshape_and_cache)", "spec"),
     ("paged_attention", "attention of this step's queries over their paged KV, one layer", "dense-sdpa"),
     ("layer_step", "apply + prepare + write_kv + paged_attention (+ record_sampled), one layer", "spec"),
+    (
+        "vllm_prep",
+        "apply + prepare per live vLLM step (reqs: requests, tokens: steps replayed) against vLLM's own "
+        "_update_states + _prepare_inputs of the same step, in alternating rounds (benchmarks/test_vllm_prep.py)",
+        "vllm",
+    ),
 )
 PEAK_GBPS = {"H200": 4800.0, "H100": 3350.0, "A100": 2039.0, "L40S": 864.0, "A10": 600.0}  # HBM/GDDR peak, GB/s
 
@@ -64,6 +70,8 @@ def _stage_section(
                 cells.append(fmt_ratio(row[p].median / row[ref].median) if ok else "–")  # type: ignore[index]
             out.append(f"| {w} | " + " | ".join(cells) + " |")
     flops = any(r.flops for r in results) and stage == "paged_attention"
+    if not any(r.flops if flops else r.nbytes for r in results):  # no work recorded (vllm_prep): no throughput
+        return [*out, ""]
     unit = "GFLOP/s" if flops else "GB/s"
     out += ["", f"Throughput ({unit}, from the work recorded in extra_info):", ""]
     out += ["| workload | " + " | ".join(providers) + " |", "|---|" + "---:|" * len(providers)]

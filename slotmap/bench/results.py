@@ -36,6 +36,9 @@ def load(path: Path) -> tuple[dict[str, Any], list[Result]]:
         info = b.get("extra_info", {})
         if "stage" not in info:
             continue
+        if "kind" not in info:  # one benchmark timing several providers interleaved: "<provider>_median" each
+            results += _interleaved_rows(info, int(b["stats"]["rounds"]))
+            continue
         results.append(
             Result(
                 info["stage"],
@@ -82,3 +85,31 @@ def ordered(providers: set[str]) -> list[str]:
 
 def workload_key(r: Result) -> tuple[int, int, int, str]:
     return ({"decode": 0, "prefill": 1, "mixed": 2}.get(r.kind, 3), r.num_groups, r.num_reqs, r.workload)
+
+
+def _interleaved_rows(info: dict[str, Any], rounds: int) -> list[Result]:
+    """The rows of a benchmark that times each provider in alternating rounds and records their medians
+    (benchmarks/test_vllm_prep.py: fast, spec and vLLM on the same live steps)."""
+    providers = [k[: -len("_median")] for k in info if k.endswith("_median") and "_over_" not in k]
+    providers = [p for p in providers if p != "reference"]
+    reference = info.get("reference")
+    reference_median = info.get(f"{reference}_median")
+    return [
+        Result(
+            stage=info["stage"],
+            workload=info["workload"],
+            kind="live vLLM steps",
+            provider=p,
+            num_reqs=int(info.get("num_requests", 0)),
+            num_tokens=int(info.get("num_steps", 0)),
+            num_groups=0,
+            median=float(info[f"{p}_median"]),
+            rounds=rounds,
+            nbytes=0,
+            flops=0,
+            what=info.get("what", ""),
+            reference=reference,
+            reference_median=None if reference_median is None else float(reference_median),
+        )
+        for p in providers
+    ]
