@@ -15,9 +15,12 @@ from __future__ import annotations
 import numpy as np
 
 from spec.batch import batch_order
+from spec.cross_attention import cross_group, with_cross_inputs
 from spec.drafts import DraftLogits, accepted_rows, check_accepted, draft_logits, draft_token_indices
 from spec.errors import InconsistentSchedulerOutputError, UnknownRequestError
 from spec.flatten import flatten
+from spec.mamba import with_state_indices
+from spec.mrope import MRopeRows
 from spec.slots import gather_block_tables, slot_mapping
 from spec.state import PoolState, StepPlan
 from spec.types import (
@@ -39,6 +42,7 @@ class RequestStatePool:
         self.state = PoolState(config)
         # [R, max_model_len]; np.zeros maps untouched pages lazily, so memory follows the tokens held
         self.token_ids = np.zeros((config.max_num_reqs, config.max_model_len), TOKEN_STORAGE_DTYPE)
+        self.mrope = MRopeRows(config) if config.uses_mrope else None  # each row's M-RoPE table and delta
         self._applied: SchedulerOutput | None = None
         self._plan: StepPlan | None = None  # the applied output as validated: what prepare reads
         self._prepared: BatchInputs | None = None  # the batch record_sampled may take
@@ -48,6 +52,8 @@ class RequestStatePool:
     def apply(self, sched: SchedulerOutput) -> None:
         plan = plan_step(self.state, sched)  # raises before anything below runs
         self.state.commit(plan)
+        if self.mrope is not None:
+            self.mrope.commit(plan.freed_rows, plan.mrope)
         starts = np.cumsum(plan.prompt_lens) - plan.prompt_lens  # [k] where each prompt begins in prompt_tokens
         for row, start, length in zip(plan.new_rows, starts, plan.prompt_lens, strict=True):
             self.token_ids[row, :length] = plan.prompt_tokens[start : start + length]
@@ -93,7 +99,11 @@ class RequestStatePool:
             num_tokens=num_tokens,
             num_tokens_padded=padded,
             **({} if sampler is None else _sampler_fields(sampler)),
+            mrope_positions=None if self.mrope is None else self.mrope.positions(flat.positions, flat.token_rows),
         )
+        if (cross := cross_group(self.config)) is not None:  # encoder-decoder: spec/cross_attention.py
+            self._prepared = with_cross_inputs(self._prepared, self.state, cross)
+        self._prepared = with_state_indices(self._prepared, self.state, plan, num_drafts)  # spec/mamba.py
         self._prepared_rows = (index_mapping.astype(np.int64), flat.seq_lens.copy())
         self._prepared_drafts = drafts
         return self._prepared

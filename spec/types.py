@@ -27,6 +27,25 @@ TOKEN_STORAGE_DTYPE = "int32"
 MAX_VOCAB_SIZE = 2**31
 # A rejection sampler's padding: record_sampled's [num_reqs, max_k + 1] form ends each row's tokens with it.
 PLACEHOLDER_TOKEN_ID = -1
+# What a KV cache group holds (KVCacheGroup.kind): KV per token of the request's own sequence; one recurrent
+# state per request (a Mamba layer's, spec/mamba.py); the encoder's KV, read by cross-attention
+# (spec/cross_attention.py).
+GROUP_KINDS = ("attention", "mamba", "cross_attention")
+
+
+def check_encoder_config(groups: Sequence[KVCacheGroup], max_encoder_len: int) -> None:
+    """A cross_attention group and max_encoder_len come together; one such group, beside the decoder's own."""
+    cross = [g for g in groups if isinstance(g, KVCacheGroup) and g.kind == "cross_attention"]
+    if max_encoder_len < 0:
+        raise ValueError(f"WorkerConfig.max_encoder_len must be >= 0, got {max_encoder_len}")
+    if len(cross) > 1:
+        raise ValueError(f"WorkerConfig.kv_groups: one cross_attention group at most, got {len(cross)}")
+    if cross and max_encoder_len < 1:
+        raise ValueError("WorkerConfig.max_encoder_len must be >= 1 with a cross_attention group")
+    if max_encoder_len and not cross:
+        raise ValueError(f"WorkerConfig.max_encoder_len={max_encoder_len} needs a cross_attention group")
+    if cross and len(cross) == len(groups):
+        raise ValueError("WorkerConfig.kv_groups: a cross_attention group needs the decoder's own group beside it")
 
 
 def is_integral(value: object) -> bool:
@@ -46,11 +65,22 @@ class KVCacheGroup:
     block_size: int  # tokens per block
     num_blocks: int  # physical blocks, including the null block 0
     sliding_window: int | None = None  # a query at position p sees keys at positions > p - window
+    kind: str = "attention"  # one of GROUP_KINDS
+    # a mamba group's table entries past the running state's for the states after each draft (vLLM's
+    # MambaSpec.num_speculative_blocks, = num_speculative_tokens): part of the table's width (spec/mamba.py)
+    num_speculative_blocks: int = 0
 
     def __post_init__(self) -> None:
         _require_ints(self, "block_size", "num_blocks")
+        if self.kind not in GROUP_KINDS:
+            raise ValueError(f"KVCacheGroup.kind must be one of {GROUP_KINDS}, got {self.kind!r}")
+        if self.kind != "attention" and self.sliding_window is not None:
+            raise ValueError(f"KVCacheGroup.sliding_window applies to attention groups, not to a {self.kind} group")
         if self.sliding_window is not None:
             _require_ints(self, "sliding_window")
+        _require_ints(self, "num_speculative_blocks")
+        if self.num_speculative_blocks < 0 or (self.num_speculative_blocks and self.kind != "mamba"):
+            raise ValueError(f"KVCacheGroup.num_speculative_blocks must be >= 0, and 0 unless kind='mamba': {self}")
         if self.block_size < 1 or self.num_blocks < 2:
             raise ValueError(f"KVCacheGroup needs block_size >= 1 and num_blocks >= 2, got {self}")
         if self.sliding_window is not None and self.sliding_window < 1:
@@ -75,10 +105,25 @@ class WorkerConfig:
     max_num_batched_tokens: int  # token budget of one step
     vocab_size: int  # token ids are in [0, vocab_size)
     kv_groups: tuple[KVCacheGroup, ...] = (KVCacheGroup(16, 1024),)
+    # the model's rotary embedding reads three position rows (vLLM's model_config.uses_mrope, spec/mrope.py):
+    # BatchInputs.mrope_positions is then [3, T], and requests may carry a position table
+    uses_mrope: bool = False
+    # the longest encoder output a request may carry (vLLM's max_encoder_len, e.g. Whisper's 1500 frames):
+    # > 0 exactly when kv_groups holds a cross_attention group (spec/cross_attention.py)
+    max_encoder_len: int = 0
+    # steps are scheduled one ahead of the samples (vLLM's async scheduling, spec/async_steps.py): a step's
+    # counts assume the previous step's tokens, drafts all accepted, and record_sampled reports faults late
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv_groups", tuple(self.kv_groups))
         _require_ints(self, "max_num_reqs", "max_model_len", "max_num_batched_tokens", "vocab_size")
+        _require_ints(self, "max_encoder_len")
+        check_encoder_config(self.kv_groups, self.max_encoder_len)
+        if not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"WorkerConfig.async_scheduling must be a bool, got {self.async_scheduling!r}")
+        if not isinstance(self.uses_mrope, bool):
+            raise ValueError(f"WorkerConfig.uses_mrope must be a bool, got {self.uses_mrope!r}")
         if not all(isinstance(g, KVCacheGroup) for g in self.kv_groups):
             raise ValueError(f"WorkerConfig.kv_groups must hold KVCacheGroup objects, got {self.kv_groups!r}")
         if min(self.max_num_reqs, self.max_model_len, self.max_num_batched_tokens) < 1:
@@ -89,7 +134,11 @@ class WorkerConfig:
             raise ValueError(f"WorkerConfig.vocab_size must be <= 2**31 (int32 token ids), got {self.vocab_size}")
 
     def max_blocks_per_req(self, group: int) -> int:
-        return math.ceil(self.max_model_len / self.kv_groups[group].block_size)
+        # vLLM sizes every group's table for max(max_model_len, max_encoder_len) tokens: the cross group holds
+        # the encoder's KV, and the decoder's positions index every group's table within bounds
+        # a mamba group's table also holds its speculative state blocks (spec/mamba.py; vllm-ascend PR #11466)
+        spec_blocks = self.kv_groups[group].num_speculative_blocks
+        return math.ceil(max(self.max_model_len, self.max_encoder_len) / self.kv_groups[group].block_size) + spec_blocks
 
 
 @dataclass(frozen=True)
@@ -98,6 +147,14 @@ class NewRequest:
     prompt_token_ids: tuple[int, ...]
     block_ids: tuple[tuple[int, ...], ...]  # per KV group: the blocks allocated so far
     num_computed_tokens: int = 0  # > 0 on a prefix-cache hit
+    # M-RoPE (spec/mrope.py; only where WorkerConfig.uses_mrope): the model processor's [3, prompt_len] position
+    # table (temporal, height, width rows) and the delta positions past the prompt add (vLLM's
+    # mrope_positions, mrope_position_delta); None: a text request, all three rows its plain positions
+    mrope_positions: Any = None
+    mrope_position_delta: int = 0
+    # encoder-decoder (spec/cross_attention.py; only where the config has a cross_attention group): the number
+    # of encoder output tokens whose KV the cross group holds, written on the request's first step
+    encoder_len: int = 0
 
 
 @dataclass(frozen=True)
@@ -193,6 +250,30 @@ class BatchInputs:
     draft_token_ids: Any = None  # [num_drafts] int64, the drafts in batch order
     target_logits_indices: Any = None  # [num_drafts] int32, row of logits[logits_indices] that verifies each draft
     bonus_logits_indices: Any = None  # [num_reqs] int32, row of logits[logits_indices] after each row's last draft
+    # [3, T] int64 M-RoPE positions (temporal, height, width; spec/mrope.py), 0 for padding; None for a model
+    # without M-RoPE (WorkerConfig.uses_mrope False)
+    mrope_positions: Any = None
+    # Encoder-decoder cross-attention (spec/cross_attention.py). None for a model without a cross_attention group.
+    encoder_seq_lens: Any = None  # [num_reqs] int32, each row's encoder length L: the keys its cross-attention reads
+    # [num_reqs] int32, L for the rows whose encoder output is written this step (a step starting at position 0), else 0
+    scheduled_encoder_lens: Any = None
+    # [sum(scheduled_encoder_lens)] int64, the cross group's slot of each encoder token written this step, rows in
+    # batch order; the cross group's slot_mappings[g] is all PAD_SLOT_ID (decoder tokens write no cross KV)
+    cross_slot_mapping: Any = None
+    # Mamba state groups (spec/mamba.py): None for a model without a mamba group. Per group (None entries for
+    # the other groups): [num_reqs, 1 + num_speculative_blocks(g)] int32, the state blocks the step writes: column 0
+    # the state after the row's last non-draft token, column i after its i-th draft, -1 past the row's drafts
+    mamba_state_indices: Any = None
+    # per group as above: [num_reqs] int32, the state block the row starts from; -1 for a row with no prior state
+    mamba_prev_state_indices: Any = None
+    is_prefilling: Any = None  # [num_reqs] bool, num_computed_tokens < the request's prompt length (vLLM's)
+    # [num_reqs] int32, tokens of the row's previous step whose state is kept (1 + its accepted drafts; 1 for a row
+    # fresh or without drafts); None unless a mamba group keeps speculative blocks (vLLM's, with drafts)
+    num_accepted_tokens: Any = None
+    # Async scheduling (spec/async_steps.py): None unless WorkerConfig.async_scheduling. The tokens whose input id is
+    # the previous step's sample, which a host scheduling ahead does not know: vLLM gathers them on the device.
+    pending_token_indices: Any = None  # [num_pending] int32 flat token indices, ascending
+    pending_prev_batch_idx: Any = None  # [num_pending] int32, the previous batch's batch_idx that sampled each
 
     @property
     def num_reqs(self) -> int:

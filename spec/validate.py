@@ -4,19 +4,23 @@ Checks run in the order below, each over the whole output; the first failing one
 backend must use the same order, so that an output with several faults raises the same class.
 
  1. InconsistentSchedulerOutputError  malformed (a field of the wrong type) or self-contradictory output,
-                                      drafts of a request not scheduled or scheduled for fewer than 1 + k tokens
+                                      drafts of a request not scheduled or scheduled for fewer than 1 + k tokens,
+                                      an M-RoPE table or delta that is malformed or on a model without M-RoPE,
+                                      an encoder_len that is not an integer >= 0
  2. UnknownRequestError               finished or cached request without a row
  3. DuplicateRequestError             new request whose req_id holds a row
  4. PoolFullError                     more live requests than rows
  5. TokenBudgetError                  more scheduled tokens than the budget
  6. TokenIdError                      prompt token, then draft token, outside the vocabulary
- 7. ModelLengthError                  prompt or num_computed + num_scheduled > max_model_len
+ 7. ModelLengthError                  prompt or num_computed + num_scheduled > max_model_len; encoder_len
+                                      outside [1, max_encoder_len] with a cross group, or > 0 without one
  8. UnknownTokenError                 num_computed + num_scheduled > known tokens (+ k drafts), or a request
                                       with k drafts whose step does not end exactly at known + k
  9. BlockIdError                      id out of range, repeated among the entries not released by a
                                       window, null without a window
 10. BlockTableOverflowError           more blocks than max_blocks_per_req
-11. MissingBlockError                 a scheduled token past the last block
+11. MissingBlockError                 a scheduled token past the last block; a cross table shorter than
+                                      its encoder's L tokens, or new cross blocks on a step not starting at 0
 12. NullBlockError                    a token writes to or attends through the null block
 13. DuplicateSlotError                two tokens of the step write one slot
 
@@ -51,6 +55,27 @@ from spec.errors import (
     UnknownRequestError,
     UnknownTokenError,
 )
+from spec.mrope import check_mrope_inputs, mrope_writes
+from spec.cross_attention import (
+    check_cross_blocks,
+    check_encoder_fields,
+    check_encoder_len,
+    cross_group,
+    written_cross_slots,
+)
+from spec.mamba import (
+    MAMBA,
+    StateRead,
+    check_drafts,
+    check_ids,
+    check_not_null,
+    check_present,
+    has_mamba,
+    plan_fields,
+    state_read,
+    write_column,
+    written_blocks,
+)
 from spec.state import PoolState, StepPlan, TableWrites
 from spec.types import (
     NULL_BLOCK_ID,
@@ -77,6 +102,9 @@ class _Scheduled:
     num_drafts: int  # the step's last num_drafts tokens are drafts, at positions known_tokens ..
     tables: list[np.ndarray]  # per group: the whole table after the step (empty where `malformed`)
     malformed: list[int]  # groups whose given ids are not integers (check 9 rejects them)
+    encoder_len: int = 0  # encoder tokens in the cross group (spec/cross_attention.py)
+    fresh_cross_blocks: bool = False  # new, or resumed with other cross blocks (spec/cross_attention.py)
+    state_read: StateRead | None = None  # with mamba groups: where the step's initial state is (spec/mamba.py)
 
 
 def plan_step(state: PoolState, sched: SchedulerOutput) -> StepPlan:
@@ -86,6 +114,9 @@ def plan_step(state: PoolState, sched: SchedulerOutput) -> StepPlan:
         _check_containers(sched)  # the columns agree in length, so they read as one request each
         sched = dataclasses.replace(sched, cached_requests=tuple(sched.cached_requests))  # read them once
     _check_consistency(sched, num_groups)
+    check_encoder_fields(sched.new_requests)
+    for new in sched.new_requests:
+        check_mrope_inputs(new, config)  # check 1 for the position tables (spec/mrope.py)
 
     for req_id in sorted(sched.finished_req_ids):
         if req_id not in state.row_of:
@@ -133,9 +164,13 @@ def plan_step(state: PoolState, sched: SchedulerOutput) -> StepPlan:
             drafts_of[req_id] = drafts.astype(TOKEN_STORAGE_DTYPE)  # frozen here, as the prompts
 
     scheduled = _scheduled_requests(state, sched, new_rows, drafts_of)
+    if has_mamba(config):
+        _read_states(state, scheduled)
     for new in sched.new_requests:
         if len(new.prompt_token_ids) > config.max_model_len:
             raise ModelLengthError(new.req_id, "prompt_token_ids", f"{len(new.prompt_token_ids)} tokens")
+    for new in sched.new_requests:
+        check_encoder_len(new, config)
     for s in scheduled:
         if s.num_computed + s.num_scheduled > config.max_model_len:
             raise ModelLengthError(
@@ -156,7 +191,12 @@ def plan_step(state: PoolState, sched: SchedulerOutput) -> StepPlan:
                 check(state, s, g)
     _check_unique_slots(state, scheduled)
 
-    return _plan(state, sched, freed_rows, new_rows, prompts, drafts_of, scheduled)
+    plan = _plan(state, sched, freed_rows, new_rows, prompts, drafts_of, scheduled)
+    if has_mamba(config):
+        by_id = {s.req_id: s for s in scheduled}
+        reads = [by_id[r].state_read for r in plan.req_ids]  # scheduler order
+        plan = dataclasses.replace(plan, mamba=plan_fields(reads, plan.num_computed))  # type: ignore[arg-type]
+    return dataclasses.replace(plan, mrope=mrope_writes(sched.new_requests, new_rows)) if config.uses_mrope else plan
 
 
 def _plan(
@@ -187,7 +227,26 @@ def _plan(
         num_computed=np.array([by_id[r].num_computed for r in req_ids], np.int64),
         num_drafts=np.array([d.size for d in drafts], np.int64) if drafts_of else None,
         draft_ids=np.concatenate([no_tokens, *drafts]),
+        new_encoder_lens=_new_encoder_lens(state, scheduled[: len(new_rows)]),
     )
+
+
+def _new_encoder_lens(state: PoolState, new: list[_Scheduled]) -> np.ndarray | None:
+    """[k] the new requests' encoder_len, for a model with a cross group (spec/cross_attention.py)."""
+    return None if cross_group(state.config) is None else np.array([s.encoder_len for s in new], np.int64)
+
+
+def _read_states(state: PoolState, scheduled: list[_Scheduled]) -> None:
+    """Each request's read of its mamba state (spec/mamba.py): fresh ones from their hit, the others from their row."""
+    rows = state.mamba_rows
+    min_block = min(g.block_size for g in state.config.kv_groups if g.kind == MAMBA)
+    for s in scheduled:
+        row = state.row_of.get(s.req_id)
+        if row is None:  # a new request (check 3): its known tokens are its prompt; the row's record is not its own
+            s.state_read = state_read(s.num_computed, s.known_tokens, True, 0, 0, min_block)
+            continue
+        last = int(rows.last_seq_lens[row]), int(rows.last_num_drafts[row])
+        s.state_read = state_read(s.num_computed, int(rows.prompt_lens[row]), s.fresh_tables, *last, min_block)
 
 
 def _check_consistency(sched: SchedulerOutput, num_groups: int) -> None:
@@ -322,6 +381,8 @@ def _scheduled_requests(
                 _num_drafts(drafts_of, new.req_id),
                 tables,
                 malformed,
+                int(new.encoder_len),
+                True,
             )
         )
     for cached in sched.cached_requests:
@@ -339,9 +400,17 @@ def _scheduled_requests(
                 _num_drafts(drafts_of, cached.req_id),
                 tables,
                 malformed,
+                int(state.encoder_lens[row]),
+                cached.resumed and _other_cross_blocks(state, row, tables),
             )
         )
     return out
+
+
+def _other_cross_blocks(state: PoolState, row: int, tables: list[np.ndarray]) -> bool:
+    """A resumed table that gives the row other cross blocks than it holds (spec/cross_attention.py)."""
+    g = cross_group(state.config)
+    return g is not None and not np.array_equal(tables[g], state.blocks(row, g))
 
 
 def _num_drafts(drafts_of: dict[str, np.ndarray], req_id: str) -> int:
@@ -369,6 +438,8 @@ def _check_block_ids(state: PoolState, s: _Scheduled, g: int) -> None:
     bad = table[(table < 0) | (table >= group.num_blocks)]
     if bad.size:
         raise BlockIdError(s.req_id, f"block_ids[{g}]", f"{bad[0]} not in [0, {group.num_blocks})")
+    if group.kind == MAMBA:
+        return check_ids(s.req_id, g, group, table)
     # Entries before the step's first read are released for good (this and every later step reads past
     # them): vLLM's worker table is append-only and its allocator reuses freed blocks first, so such an
     # entry may hold an id the request is handed again. Ids must be distinct from that entry on.
@@ -388,10 +459,19 @@ def _check_table_sizes(state: PoolState, s: _Scheduled, g: int) -> None:
     limit = state.config.max_blocks_per_req(g)
     if s.tables[g].size > limit:
         raise BlockTableOverflowError(s.req_id, f"block_ids[{g}]", f"{s.tables[g].size} blocks > {limit}")
+    if state.config.kv_groups[g].kind == MAMBA:
+        check_drafts(s.req_id, g, state.config.kv_groups[g], s.num_drafts)
 
 
 def _check_blocks_present(state: PoolState, s: _Scheduled, g: int) -> None:
     block_size = state.config.kv_groups[g].block_size
+    if s.state_read is not None and state.config.kv_groups[g].kind == MAMBA:
+        write = write_column(s.num_computed, s.num_scheduled, block_size)
+        return check_present(s.req_id, g, state.config.kv_groups[g], s.tables[g], s.state_read, write, s.num_drafts)
+    if g == cross_group(state.config):  # the encoder's tokens, not the decoder's positions
+        return check_cross_blocks(
+            s.req_id, f"block_ids[{g}]", s.tables[g], s.encoder_len, s.num_computed, s.fresh_cross_blocks, block_size
+        )
     last_block = (s.num_computed + s.num_scheduled - 1) // block_size
     if last_block >= s.tables[g].size:
         raise MissingBlockError(
@@ -401,6 +481,11 @@ def _check_blocks_present(state: PoolState, s: _Scheduled, g: int) -> None:
 
 def _check_null_reads(state: PoolState, s: _Scheduled, g: int) -> None:
     group = state.config.kv_groups[g]
+    if s.state_read is not None and group.kind == MAMBA:
+        write = write_column(s.num_computed, s.num_scheduled, group.block_size)
+        return check_not_null(s.req_id, g, group, s.tables[g], s.state_read, write, s.num_drafts)
+    if g == cross_group(state.config):  # its entries are check 9's: a group without a window holds no null
+        return
     first_read = group.first_read(s.num_computed)
     last = s.num_computed + s.num_scheduled - 1
     read = s.tables[g][first_read // group.block_size : last // group.block_size + 1]
@@ -410,7 +495,15 @@ def _check_null_reads(state: PoolState, s: _Scheduled, g: int) -> None:
 
 def _check_unique_slots(state: PoolState, scheduled: list[_Scheduled]) -> None:
     for g, group in enumerate(state.config.kv_groups):
-        written = [_written_slots(s, g, group.block_size) for s in scheduled]  # per request, its tokens' slots
+        if g == cross_group(state.config):
+            written = [
+                written_cross_slots(s.tables[g], s.encoder_len, s.num_computed, group.block_size) for s in scheduled
+            ]
+        elif group.kind == MAMBA:  # a state block, not a slot: no two requests may write one
+            columns = [write_column(s.num_computed, s.num_scheduled, group.block_size) for s in scheduled]
+            written = [written_blocks(s.tables[g], w, s.num_drafts) for s, w in zip(scheduled, columns, strict=True)]
+        else:
+            written = [_written_slots(s, g, group.block_size) for s in scheduled]  # per request, its tokens' slots
         slots = np.concatenate(written) if written else np.zeros(0, np.int64)  # [num_tokens] in step order
         writer = np.repeat(np.arange(len(scheduled)), [w.size for w in written])  # [num_tokens] request index
         order = np.argsort(slots, kind="stable")  # equal slots end up adjacent, earlier tokens first
