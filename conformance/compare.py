@@ -3,7 +3,8 @@
 Batches are compared in BackendHandle.batch_to_numpy's form (every BatchInputs field in NumPy or Python
 form, the draft fields None in a step without drafts). Each difference is one line naming the field
 (`slot_mappings[1]`, `draft_token_ids`) and, for arrays, how many entries differ and the first few: a
-padded array can be thousands long.
+padded array can be thousands long. The shadow checker words its per-request details with the same
+`entries_difference`, naming the entries (`its token 3`) and the reference (`spec`).
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ SHOWN = 8  # differing entries listed per array
 
 
 def batch_differences(want: Mapping[str, Any], got: Mapping[str, Any]) -> list[str]:
-    """One line per field of `want` that `got` does not match (empty: the batches agree)."""
-    problems = []
+    """One line per field that `got` does not match (empty: the batches agree)."""
+    problems = [f"{name}: not a field of the expected batch" for name in got if name not in want]
     for name, w in want.items():
         if name not in got:
             problems.append(f"{name}: missing")
@@ -48,14 +49,27 @@ def array_difference(name: str, want: np.ndarray, got: Any) -> str:
     got = np.asarray(got)
     if got.dtype != want.dtype:
         return f"{name}: dtype {got.dtype}, expected {want.dtype}"
+    detail = entries_difference(want, got)
+    return f"{name}: {detail}" if detail else ""
+
+
+def entries_difference(want: np.ndarray, got: np.ndarray, entry: str = "", reference: str = "expected") -> str:
+    """ "" if shapes and values agree, else how: both shapes and heads, or how many entries differ and the first few.
+
+    `entry` names an entry in the report (`its token` -> `its token 3: got 5, spec 4`; "" -> `(3,): ...`).
+    """
     if got.shape != want.shape:
-        return f"{name}: shape {got.shape}, expected {want.shape}"
-    if np.array_equal(got, want):
+        return f"shape {got.shape} {_head(got)}, {reference} {want.shape} {_head(want)}"
+    where = np.argwhere(got != want).tolist()
+    if not where:
         return ""
-    where = np.argwhere(got != want)
-    shown = ", ".join(f"{tuple(i)}: got {got[tuple(i)]}, expected {want[tuple(i)]}" for i in where[:SHOWN].tolist())
+
+    def at(i: list[int]) -> str:
+        return f"{entry} {', '.join(map(str, i))}" if entry else str(tuple(i))
+
+    shown = "; ".join(f"{at(i)}: got {got[tuple(i)]}, {reference} {want[tuple(i)]}" for i in where[:SHOWN])
     more = f" (and {len(where) - SHOWN} more)" if len(where) > SHOWN else ""
-    return f"{name}: {len(where)} of {want.size} entries differ: {shown}{more}"
+    return f"{len(where)} of {want.size} entries differ: {shown}{more}"
 
 
 def copy_batch(batch: Mapping[str, Any]) -> dict[str, Any]:
@@ -72,3 +86,8 @@ def copy_batch(batch: Mapping[str, Any]) -> dict[str, Any]:
 
 def _brief(value: Any) -> str:
     return "None" if value is None else f"{np.asarray(value).size} entries"
+
+
+def _head(x: np.ndarray) -> str:
+    flat = x.reshape(-1).tolist()
+    return str(flat[: 2 * SHOWN])[:-1] + (", ...]" if len(flat) > 2 * SHOWN else "]")

@@ -14,12 +14,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from conformance.compare import entries_difference
 from conformance.shadow_inputs import GROUPED, REQUEST_FIELDS, TOKEN_FIELDS
 from spec.interop.vllm import VllmSchedulerOutput
 from spec.types import NULL_BLOCK_ID, PAD_SLOT_ID, BatchInputs, WorkerConfig
 
 Difference = tuple[str | None, str, str]
-SHOWN = 3  # differing entries a detail lists
 
 
 @dataclass(frozen=True)
@@ -94,16 +94,16 @@ def differences(
         for name, spec_tokens in token_fields:
             got_tokens = a[name][e_start : e_start + n].astype(np.int64)
             want_tokens = spec_tokens[start : start + n].astype(np.int64)
-            if not np.array_equal(got_tokens, want_tokens):
-                yield req_id, name, describe(got_tokens, want_tokens, "its token")
+            if detail := entries_difference(want_tokens, got_tokens, "its token", "spec"):
+                yield req_id, name, detail
         for (kind, g), name in sorted(by_group.items()):
             if kind != "block_table":
                 continue
             k = blocks_held(req_id, g)
             row = a[name][e] if a[name].ndim == 2 and a[name].shape[0] > e else np.zeros(0, np.int64)
             got_row, want_row = row[:k].astype(np.int64), np.asarray(batch.block_tables[g])[b, :k].astype(np.int64)
-            if not np.array_equal(got_row, want_row):
-                yield req_id, name, f"its {k} entries: " + describe(got_row, want_row, "entry")
+            if detail := entries_difference(want_row, got_row, "entry", "spec"):
+                yield req_id, name, f"its {k} entries: {detail}"
 
     total = int(engine_qsl[len(engine.req_ids)])
     for (kind, _g), name in sorted(by_group.items()):
@@ -168,8 +168,8 @@ def _sampler_differences(
     if "logits_indices" in fields:
         got = a["logits_indices"][s : s + 1 + k].astype(np.int64) - e_start
         want = mine.logits[s_spec : s_spec + 1 + k] - start
-        if not np.array_equal(got, want):
-            yield req_id, "logits_indices", describe(got, want, "its logits row") + relative
+        if detail := entries_difference(want, got, "its logits row", "spec"):
+            yield req_id, "logits_indices", detail + relative
 
     def own(x: np.ndarray) -> int:  # this request's step of a cumulative sum
         return int(x[e] - (x[e - 1] if e else 0))
@@ -185,16 +185,16 @@ def _sampler_differences(
             yield req_id, name, f"{read(a[name].astype(np.int64))}{what}, spec {want_count}"
     if "draft_token_ids" in fields:
         got, want = a["draft_token_ids"][d : d + k].astype(np.int64), mine.drafts[d_spec : d_spec + k]
-        if not np.array_equal(got, want):
-            yield req_id, "draft_token_ids", describe(got, want, "its draft")
+        if detail := entries_difference(want, got, "its draft", "spec"):
+            yield req_id, "draft_token_ids", detail
     rows = " (rows of logits[logits_indices], relative to the request's first)"
     if "target_logits_indices" in fields:
         got, want = (
             a["target_logits_indices"][d : d + k].astype(np.int64) - s,
             mine.target[d_spec : d_spec + k] - s_spec,
         )
-        if not np.array_equal(got, want):
-            yield req_id, "target_logits_indices", describe(got, want, "its draft") + rows
+        if detail := entries_difference(want, got, "its draft", "spec"):
+            yield req_id, "target_logits_indices", detail + rows
     if "bonus_logits_indices" in fields and int(a["bonus_logits_indices"][e]) - s != int(mine.bonus[b]) - s_spec:
         yield (
             req_id,
@@ -236,17 +236,3 @@ def vllm_claims(
                     detail = f"{n} common blocks in group {g}, but this request's first {n} are {row.tolist()}"
                     yield req_id, "num_common_prefix_blocks", detail
                     break
-
-
-def describe(got: np.ndarray, want: np.ndarray, what: str) -> str:
-    """The differing entries only (a request may schedule thousands of tokens): count, then the first few."""
-    if got.shape != want.shape:
-        return f"{got.size} entries {_head(got)}, spec {want.size} {_head(want)}"
-    bad = np.flatnonzero(got != want)
-    shown = "; ".join(f"{what} {int(i)}: {int(got[i])}, spec {int(want[i])}" for i in bad[:SHOWN])
-    more = f" (and {bad.size - SHOWN} more)" if bad.size > SHOWN else ""
-    return f"{bad.size} of {got.size} differ: {shown}{more}"
-
-
-def _head(x: np.ndarray) -> str:
-    return str(x[: 2 * SHOWN].tolist())[:-1] + (", ...]" if x.size > 2 * SHOWN else "]")

@@ -52,7 +52,7 @@ def test_every_rank_matches_spec_and_merges_to_single_rank(
     ranks = [RankModel(backend, functions, config, cp, qkv) for cp in cps]
     single = SingleRank(config, qkv)
     rng = np.random.default_rng(seed)
-    interpreted = backend.name == "fast-interpret"
+    interpreted = backend.slow
     steps, max_steps = 0, MAX_STEPS_INTERPRETED[world_size, interleave] if interpreted else MAX_STEPS
     while not sched.done() and steps < max_steps:
         out = sched.schedule()

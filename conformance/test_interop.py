@@ -23,6 +23,7 @@ import pytest
 import spec
 import spec.interop
 from conformance.backends import INTEROP_FUNCTIONS, BackendHandle
+from conformance.compare import array_difference
 from conformance.differential import one_torch_thread
 from conformance.scenario import AttentionSpec, Scenario, random_scenario
 from conformance.scheduler import ReferenceScheduler, SchedulerKnobs, SchedulerStats, make_workload
@@ -56,7 +57,7 @@ def _stress_scenario(seed: int) -> Scenario:
 
 
 def _scenarios(backend: BackendHandle) -> list[Scenario]:
-    if backend.name == "fast-interpret":  # the interpreter is ~1000x slower: one small stress run
+    if backend.slow:  # the Triton interpreter is ~1000x slower: one small stress run
         return [_stress_scenario(1)]
     return [_stress_scenario(s) for s in range(3)] + [random_scenario(s) for s in range(6)]
 
@@ -91,10 +92,8 @@ def _assert_same(where: str, want: Any, got: Any, backend: BackendHandle) -> Non
         for f in dataclasses.fields(want):
             _assert_same(f"{where}.{f.name}", getattr(want, f.name), getattr(got, f.name), backend)
     elif isinstance(want, np.ndarray):
-        got_np = backend.to_numpy(got)
-        assert got_np.dtype == want.dtype, f"{where}: dtype {got_np.dtype}, expected {want.dtype}"
-        assert got_np.shape == want.shape, f"{where}: shape {got_np.shape}, expected {want.shape}"
-        assert np.array_equal(got_np, want), f"{where}: {got_np.tolist()} != {want.tolist()}"
+        problem = array_difference(where, want, backend.to_numpy(got))
+        assert not problem, problem
     else:
         assert type(got) is type(want) and got == want, f"{where}: {got!r} != {want!r}"
 
@@ -106,7 +105,7 @@ def test_layouts_equal_spec_on_every_step(backend: BackendHandle) -> None:
     for scenario in _scenarios(backend):
         config = scenario.config
         ref_rows, rows = V2RowPolicy(config.max_num_reqs), V2RowPolicy(config.max_num_reqs)
-        for out, ref_batch, batch in _drive(scenario, backend, 12 if backend.name == "fast-interpret" else 200):
+        for out, ref_batch, batch in _drive(scenario, backend, 12 if backend.slow else 200):
             ref_rows.apply(out)
             rows.apply(out)
             host = host_counts(out, ref_batch.req_ids)
@@ -134,7 +133,7 @@ def test_layouts_equal_spec_on_every_step(backend: BackendHandle) -> None:
     for s in _STATS:
         for f in ("preemptions", "resumptions", "prefix_hit_tokens", "window_releases", "padded_steps", "finished"):
             setattr(total, f, getattr(total, f) + getattr(s, f))
-    if backend.name != "fast-interpret":  # the small interpreter run covers fewer kinds of step
+    if not backend.slow:  # the small interpreter run covers fewer kinds of step
         kinds = {f: getattr(total, f) for f in ("preemptions", "resumptions", "prefix_hit_tokens", "window_releases",
                                                 "padded_steps", "finished")}  # fmt: skip
         assert all(kinds.values()), f"the scenarios no longer drive every kind of step: {kinds}"
@@ -151,7 +150,7 @@ def test_flashinfer_attention_equals_block_table_attention(backend: BackendHandl
     shapes = [(g.num_blocks, g.block_size, att.num_kv_heads, att.head_dim) for g in config.kv_groups]
     caches = [np.zeros(shape, att.dtype) for shape in shapes]
     value_caches = [np.zeros_like(c) for c in caches]
-    max_steps = 6 if backend.name == "fast-interpret" else 60
+    max_steps = 6 if backend.slow else 60
     for step, (_, ref_batch, _batch) in enumerate(_drive(scenario, backend, max_steps)):
         t = ref_batch.num_tokens_padded
         query = rng.standard_normal((t, att.num_heads, att.head_dim)).astype(att.dtype)

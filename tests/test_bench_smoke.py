@@ -25,6 +25,7 @@ from benchmarks.baselines.python_lists import PythonListPool
 from benchmarks.providers import numpy_slot_mapping, python_slot_mapping
 from benchmarks.workloads import StepStream, Workload
 from conformance.backends import BackendHandle
+from conformance.compare import batch_differences
 from conformance.examples import worked_example
 from spec.types import CachedRequest, KVCacheGroup, NewRequest, SchedulerOutput, WorkerConfig
 
@@ -36,22 +37,10 @@ SMALL = (
 )
 
 
-def _to_numpy(batch: spec.BatchInputs) -> dict[str, Any]:
-    return BackendHandle("baseline", spec).batch_to_numpy(batch)  # converts torch tensors and NumPy alike
-
-
 def _assert_same_batch(got: spec.BatchInputs, want: spec.BatchInputs) -> None:
-    g, w = _to_numpy(got), _to_numpy(want)
-    assert g.keys() == w.keys()
-    for name in w:
-        if isinstance(w[name], tuple) and w[name] and isinstance(w[name][0], np.ndarray):
-            assert len(g[name]) == len(w[name]), name
-            for a, b in zip(g[name], w[name], strict=True):
-                assert a.dtype == b.dtype and np.array_equal(a, b), name
-        elif isinstance(w[name], np.ndarray):
-            assert g[name].dtype == w[name].dtype and np.array_equal(g[name], w[name]), name
-        else:
-            assert g[name] == w[name], name
+    to_numpy = BackendHandle("baseline", spec).batch_to_numpy  # converts torch tensors and NumPy alike
+    problems = batch_differences(to_numpy(want), to_numpy(got))
+    assert not problems, "\n".join(problems)
 
 
 def _drive(pools: dict[str, Any], steps: list[SchedulerOutput], pad: int = 0) -> None:

@@ -19,6 +19,8 @@ import numpy as np
 import pytest
 
 import spec
+from conformance.backends import BackendHandle
+from conformance.compare import batch_differences
 from conformance.driving import sampled_array
 from conformance.scenario import random_scenario
 from conformance.scheduler import ReferenceScheduler, SchedulerKnobs, make_workload
@@ -32,6 +34,8 @@ from spec.interop import (
     from_vllm,
 )
 from spec.types import CachedRequest, KVCacheGroup, NewRequest, SchedulerOutput, WorkerConfig
+
+SPEC = BackendHandle("spec", spec)
 
 
 @dataclass
@@ -170,12 +174,8 @@ def test_every_kind_of_step_converts_and_runs_through_spec_identically() -> None
             for pool, o in ((direct, out), (converted, back)):
                 pool.apply(o)
             batch, batch_back = direct.prepare(out, pad_to), converted.prepare(back, pad_to)
-            for f in dataclasses.fields(batch):
-                want, got = getattr(batch, f.name), getattr(batch_back, f.name)
-                if isinstance(want, tuple) and f.name != "req_ids":
-                    assert all(np.array_equal(w, g) for w, g in zip(want, got, strict=True)), f.name
-                else:
-                    assert np.array_equal(want, got), f.name
+            problems = batch_differences(SPEC.batch_to_numpy(batch), SPEC.batch_to_numpy(batch_back))
+            assert not problems, "\n".join(problems)
             takes = sched.sampling_req_ids(out)
             target = {r: int(rng.integers(config.vocab_size)) for r in batch.req_ids}
             kept = sched.rejection_step(out, {r: target[r] for r in takes})  # drafts the target keeps

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from conformance.backends import BackendHandle, load_backend
-from conformance.compare import differing_fields
+from conformance.compare import batch_differences
 from conformance.tolerance import as_float64, tolerance
 from slotmap.tiny.engine import Engine, StepResult
 from slotmap.tiny.kv_caches import PagedKV
@@ -87,5 +87,5 @@ class SpecVerifier:
     def _compare_batches(self, batch: BatchInputs) -> None:
         ours = self.engine.backend.batch_to_numpy(batch)
         theirs = self.spec.batch_to_numpy(self._spec_batch)  # type: ignore[arg-type]
-        for name in differing_fields(theirs, ours):
-            self.mismatches.append(f"step {self._step}: BatchInputs.{name} differs from spec")
+        for problem in batch_differences(theirs, ours):
+            self.mismatches.append(f"step {self._step}: BatchInputs differs from spec's: {problem}")
