@@ -50,6 +50,9 @@ DRAFT_FIELDS = (  # BatchInputs' speculative-decoding fields (logits_indices is 
 )
 
 
+CROSS_FIELDS = ("encoder_seq_lens", "scheduled_encoder_lens", "cross_slot_mapping")  # spec/cross_attention.py
+
+
 class BackendLoadError(ValueError):
     """A backend name that names nothing loadable; the message says what to pass instead."""
 
@@ -79,9 +82,20 @@ class BackendHandle:
         out["slot_mappings"] = tuple(self.to_numpy(s) for s in batch.slot_mappings)
         out["num_tokens"] = int(batch.num_tokens)
         out["num_tokens_padded"] = int(batch.num_tokens_padded)
+        for name in CROSS_FIELDS:  # encoder-decoder (spec/cross_attention.py): None without a cross group
+            value = getattr(batch, name, None)
+            out[name] = None if value is None else self.to_numpy(value)
         for name in DRAFT_FIELDS:  # speculative decoding (spec/drafts.py): None in a step without drafts
             value = getattr(batch, name, None)
             out[name] = None if value is None else self.to_numpy(value)
+        for name in ("is_prefilling", "num_accepted_tokens"):  # spec/mamba.py: None without a mamba group
+            value = getattr(batch, name, None)
+            out[name] = None if value is None else self.to_numpy(value)
+        for name in ("mamba_state_indices", "mamba_prev_state_indices"):  # per group, None for non-mamba groups
+            groups = getattr(batch, name, None)
+            out[name] = None if groups is None else tuple(None if a is None else self.to_numpy(a) for a in groups)
+        mrope = getattr(batch, "mrope_positions", None)  # spec/mrope.py: None for a model without M-RoPE
+        out["mrope_positions"] = None if mrope is None else self.to_numpy(mrope)
         return out
 
 
@@ -135,12 +149,15 @@ class _ModeBackend:
 
     def __init__(self, device: Any, enabled: bool) -> None:
         import fast
+        import fast.encoder_attention
         import fast.interop
 
         self.device = device
         self.enabled = enabled
         self.write_kv = _in_mode(fast.write_kv, enabled)
         self.paged_attention = _in_mode(fast.paged_attention, enabled)
+        # encoder-decoder (fast/encoder_attention.py): `cross_attention` names a submodule of both packages
+        self.cross_attention = _in_mode(fast.encoder_attention.cross_attention, enabled)
         # the engine layouts (optional part of a backend, docs/porting.md), in the same kernel mode
         self.interop = types.SimpleNamespace(
             **{name: _in_mode(getattr(fast.interop, name), enabled) for name in INTEROP_FUNCTIONS}
@@ -176,6 +193,16 @@ def canonical_name(name: str) -> str:
     from fast.runtime import interpret_enabled
 
     return "fast-interpret" if interpret_enabled() and not torch.cuda.is_available() else "fast"
+
+
+def cross_attention_of(handle: BackendHandle) -> Callable[..., Any] | None:
+    """The backend's attention over the encoder's KV (spec/encoder_attention.py), or None if it has none."""
+    if handle.module is spec:
+        import spec.encoder_attention
+
+        return spec.encoder_attention.cross_attention
+    found = getattr(handle.module, "cross_attention", None)
+    return found if callable(found) else None
 
 
 INTEROP_FUNCTIONS = ("paged_kv_layout", "paged_attention", "sglang_layout", "flash_attn_metadata")

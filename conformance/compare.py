@@ -31,12 +31,19 @@ def batch_differences(want: Mapping[str, Any], got: Mapping[str, Any]) -> list[s
         elif isinstance(w, tuple) and name != "req_ids":  # per KV group
             if len(w) != len(g):
                 problems.append(f"{name}: {len(g)} groups, expected {len(w)}")
-            problems += [array_difference(f"{name}[{i}]", a, b) for i, (a, b) in enumerate(zip(w, g, strict=False))]
+            problems += [_group_difference(f"{name}[{i}]", a, b) for i, (a, b) in enumerate(zip(w, g, strict=False))]
         elif isinstance(w, np.ndarray):
             problems.append(array_difference(name, w, g))
         elif w != g:
             problems.append(f"{name}: {g!r}, expected {w!r}")
     return [p for p in problems if p]
+
+
+def _group_difference(name: str, want: np.ndarray | None, got: Any) -> str:
+    """One group's array; None where the field has no array for that group (the mamba fields' other groups)."""
+    if want is None or got is None:
+        return "" if want is None and got is None else f"{name}: {_brief(got)}, expected {_brief(want)}"
+    return array_difference(name, want, got)
 
 
 def differing_fields(want: Mapping[str, Any], got: Mapping[str, Any]) -> list[str]:

@@ -35,15 +35,19 @@ import numpy as np
 import torch
 
 from fast.batch import batch_order
+from fast.cross_attention import with_cross_inputs
 from fast.drafts import batch_drafts, draft_columns, draft_positions, sampler_tensors
 from fast.host_prepare import HostBatch
 from fast.kernel_prepare import prepare_on_device
+from fast.mamba import with_state_indices
+from fast.mrope import DeviceMRope
 from fast.released import ReleasedTails
 from fast.runtime import interpret, interpret_enabled, use_triton
 from fast.sampled import record_accepted, record_one_per_row
 from fast.state import DeviceState, HostMirror, write_prompts
 from fast.validate import plan_bulk_step
 from fast.writes import apply_writes, step_writes
+from spec.cross_attention import cross_group
 from spec.drafts import draft_logits
 from spec.errors import InconsistentSchedulerOutputError, UnknownRequestError
 from spec.state import PoolState, StepPlan
@@ -63,6 +67,7 @@ class RequestStatePool:
         self.state: PoolState = HostMirror(config)  # validation and batch order read only this
         self.dev = DeviceState(config, self.device, mirror=self.state if self.host_mode else None)
         self.released = ReleasedTails(config)  # the validator's per-row cache of released entries
+        self.mrope = DeviceMRope(config, self.device, self.host_mode) if config.uses_mrope else None
         self._host_batch = HostBatch()  # host mode: the buffers and tensors batches are handed out in
         self._applied: SchedulerOutput | None = None
         self._plan: StepPlan | None = None  # the applied output as validated: all prepare reads of it
@@ -89,6 +94,8 @@ class RequestStatePool:
         writes = None if self.host_mode else step_writes(state, plan)  # needs the mirror as it was
         state.commit(plan)
         self.released.refresh(state, plan)
+        if self.mrope is not None:
+            self.mrope.commit(plan.freed_rows, plan.mrope)
         if writes is not None:  # prompts and drafts ride in the same launch
             with interpret(self._interpret):
                 apply_writes(dev, writes)
@@ -122,11 +129,20 @@ class RequestStatePool:
         else:
             with interpret(self._interpret):
                 batch = prepare_on_device(self.dev, req_ids, index_mapping, num_scheduled, cu_num_tokens, padded)
+        if self.mrope is not None:  # from the batch's positions (fast/mrope.py)
+            with interpret(self._interpret):
+                batch = dataclasses.replace(batch, mrope_positions=self.mrope.positions(batch, index_mapping))
         drafts = None
         if plan.num_drafts is not None:  # input ids are right already (apply stored the drafts): add the indices
             drafts = batch_drafts(plan.num_drafts, plan.draft_ids, order)  # [num_reqs], [num_drafts] batch order
             sampler = draft_logits(np.concatenate([[0], cu_num_tokens]), *drafts)
             batch = dataclasses.replace(batch, **sampler_tensors(sampler, self.device))
+        if (cross := cross_group(self.config)) is not None:  # encoder-decoder: fast/cross_attention.py
+            batch = with_cross_inputs(batch, self.state, cross, index_mapping, self.device)
+        if plan.mamba is not None:  # hybrid models: the mamba groups' state indices (fast/mamba.py)
+            counts = drafts[0] if drafts is not None else np.zeros(len(req_ids), np.int64)
+            with interpret(self._interpret):
+                batch = with_state_indices(batch, self.dev, plan, order, counts, self.host_mode)
         self._prepared_drafts = drafts
         self._prepared = batch
         self._prepared_rows_np = index_mapping

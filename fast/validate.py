@@ -35,6 +35,8 @@ from typing import Any
 import numpy as np
 from numba import njit
 
+from spec.cross_attention import cross_group
+from spec.mamba import has_mamba
 from spec.state import PoolState, StepPlan, TableWrites, ranges
 from spec.types import CachedRequest, CachedRequestColumns, NewRequest, SchedulerOutput
 
@@ -49,6 +51,10 @@ def plan_bulk_step(
     released_tails: list[np.ndarray | None] | None = None,  # per group [R]: last_released_entries, or None: scan
 ) -> StepPlan | None:
     config = state.config
+    if cross_group(config) is not None:  # the cross group's rules (spec/cross_attention.py) are plan_step's alone
+        return None
+    if has_mamba(config):  # so are the state reads of a mamba group (spec/mamba.py), which plan_step freezes
+        return None
     scheduled, new, finished = sched.num_scheduled_tokens, sched.new_requests, sched.finished_req_ids
     if type(scheduled) is not dict or type(new) not in _SEQUENCES or type(finished) not in (frozenset, set):
         return None
@@ -66,6 +72,10 @@ def plan_bulk_step(
         return None
     if num_new and set(map(type, new)) != {NewRequest}:
         return None
+    if num_new and any(
+        r.mrope_positions is not None or type(r.mrope_position_delta) is not int or r.mrope_position_delta for r in new
+    ):
+        return None  # M-RoPE inputs (spec/mrope.py) are spec's plan_step's to check and freeze
     new_ids = [r.req_id for r in new] if num_new else []
     # the position of each cached and each new request among the scheduled ones
     if keys == cached_ids + new_ids:
