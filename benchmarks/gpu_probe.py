@@ -1,6 +1,6 @@
 """What a GPU step costs beyond time: fast's kernel launches, CUDA kernels and host syncs per apply + prepare.
 
-Needs a CUDA device (run by scripts/gpu-check); writes JSON for benchmarks/gpu_report.py:
+Needs a CUDA device (run by scripts/gpu-check); writes JSON for slotmap/bench/gpu.py:
 
     python -m benchmarks.gpu_probe OUT_JSON
 

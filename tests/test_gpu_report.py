@@ -1,4 +1,4 @@
-"""benchmarks/gpu_report.py: the GPU page and summary from saved JSON (renderable and checkable on CPU).
+"""slotmap/bench/gpu.py: the GPU page and summary from saved JSON (renderable and checkable on CPU).
 
 The JSON here is written by the test, not measured: it checks the arithmetic (bandwidth as a fraction of
 the device's peak, FLOP/s against dense SDPA), the device look-up, and that a run without a GPU is refused.
@@ -13,15 +13,15 @@ import pytest
 import torch
 from rich.console import Console
 
-from benchmarks import gpu_report
+from slotmap.bench import gpu
 
 
 def _bench(device: str | None) -> dict:
     def entry(stage: str, workload: str, kind: str, provider: str, num_reqs: int, median: float, nbytes: int,
               flops: int) -> dict:  # fmt: skip
         info = {"stage": stage, "workload": workload, "kind": kind, "provider": provider, "num_reqs": num_reqs,
-                "bytes": nbytes, "flops": flops}  # fmt: skip
-        return {"extra_info": info, "stats": {"median": median}}
+                "num_tokens": num_reqs, "num_groups": 1, "bytes": nbytes, "flops": flops}  # fmt: skip
+        return {"extra_info": info, "stats": {"median": median, "rounds": 5}}
 
     machine = {"cuda_device": device} if device else {}
     return {
@@ -42,13 +42,13 @@ PROBE = {"device": "NVIDIA H200", "steps": {"decode-256": {"apply_launches": 1, 
                                                             "host_syncs": 0, "cuda_kernels": 3}}}  # fmt: skip
 
 
-def _rows(summary: gpu_report.Summary) -> dict[str, dict]:
+def _rows(summary: gpu.Summary) -> dict[str, dict]:
     return {r["quantity"]: r for r in summary.rows}
 
 
 def test_fractions_of_peak_and_sdpa_ratio() -> None:
-    rows = _rows(gpu_report.summarize(_bench("NVIDIA H200"), PROBE))
-    peak = gpu_report.PEAK_BANDWIDTH["H200"]
+    rows = _rows(gpu.summarize(_bench("NVIDIA H200"), PROBE))
+    peak = gpu.PEAK_BANDWIDTH["H200"]
     assert rows["write_kv bandwidth, decode-64"]["value"] == pytest.approx(24e6 / 1e-5 / peak * 100)
     decode = rows["decode attention bandwidth, decode-64"]
     assert decode["value"] == pytest.approx(3e9 / 1e-3 / peak * 100) and decode["met"] is False  # 62.5% < 70%
@@ -68,19 +68,19 @@ def test_fractions_of_peak_and_sdpa_ratio() -> None:
      ("NVIDIA A100-SXM4-80GB", "A100-SXM4-80GB"), ("NVIDIA A100-SXM4-40GB", "A100"), ("NVIDIA L40S", "L40S")],
 )  # fmt: skip
 def test_peak_bandwidth_by_device_name(name: str, key: str) -> None:
-    assert gpu_report.peak_bandwidth(name) == gpu_report.PEAK_BANDWIDTH[key]
+    assert gpu.peak_bandwidth(name) == gpu.PEAK_BANDWIDTH[key]
 
 
 def test_unknown_device_reports_no_fraction() -> None:
-    summary = gpu_report.summarize(_bench("Some Future GPU"), PROBE)
+    summary = gpu.summarize(_bench("Some Future GPU"), PROBE)
     assert summary.peak_bw is None
     assert not any("bandwidth" in r["quantity"] for r in summary.rows)
-    assert "unknown" in gpu_report.render_markdown(summary)
+    assert "unknown" in gpu.render_markdown(summary)
 
 
 def test_a_run_without_a_gpu_is_refused() -> None:
     with pytest.raises(ValueError, match="only from a GPU run"):
-        gpu_report.summarize(_bench(None), {"steps": {}})
+        gpu.summarize(_bench(None), {"steps": {}})
 
 
 def test_page_and_summary(tmp_path: Path) -> None:
@@ -88,12 +88,12 @@ def test_page_and_summary(tmp_path: Path) -> None:
     bench.write_text(json.dumps(_bench("NVIDIA H200")))
     probe.write_text(json.dumps(PROBE))
     page = tmp_path / "performance-gpu.md"
-    assert gpu_report.main([str(bench), str(probe), "--out", str(page)]) == 0
+    assert gpu.main([str(bench), str(probe), "--out", str(page)]) == 0
     text = page.read_text()
-    assert "NVIDIA H200" in text and "never written without one" in text and gpu_report.PEAK_SOURCE in text
+    assert "NVIDIA H200" in text and "never written without one" in text and gpu.PEAK_SOURCE in text
     assert "| decode attention bandwidth, decode-64 | 62.5 | % of peak | >= 70% | **no** |" in text
     console = Console(record=True, width=120)
-    gpu_report.print_summary(gpu_report.summarize(_bench("NVIDIA H200"), PROBE), console)
+    gpu.print_summary(gpu.summarize(_bench("NVIDIA H200"), PROBE), console)
     assert "decode attention bandwidth, decode-64" in console.export_text()
 
 

@@ -1,4 +1,7 @@
-"""docs/performance.md (or its scratch copy): one section per machine, one per stage, from saved JSON only."""
+"""docs/performance.md (or its scratch copy): one section per machine, one per stage, from saved JSON only.
+
+Read and drawn as the GPU page is (slotmap/bench/gpu.py): results.py's rows and tables, gpu.py's peaks.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +10,17 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from slotmap.bench.results import Result, fmt_ratio, fmt_time, load, ordered, workload_key
+from slotmap.bench.gpu import peak_bandwidth
+from slotmap.bench.results import (
+    Result,
+    fmt_ratio,
+    fmt_time,
+    load,
+    markdown_table,
+    ordered,
+    reference_for,
+    workload_key,
+)
 from slotmap.bench.targets import markdown_rows, target_rows
 
 STAGES = (  # (stage, what it times, the provider every ratio divides by); stages not listed follow, as recorded
@@ -25,7 +38,6 @@ STAGES = (  # (stage, what it times, the provider every ratio divides by); stage
         "vllm",
     ),
 )
-PEAK_GBPS = {"H200": 4800.0, "H100": 3350.0, "A100": 2039.0, "L40S": 864.0, "A10": 600.0}  # HBM/GDDR peak, GB/s
 
 
 def stages_of(results: list[Result]) -> list[tuple[str, str, str | None]]:
@@ -48,38 +60,37 @@ def _stage_section(
     workloads = sorted(by_workload, key=lambda w: workload_key(next(iter(by_workload[w].values()))))
     present = {r.provider for r in results}
     providers = ordered(present)
-    out = [f"### {stage}", "", what + ".", ""]
-    head = "| workload | reqs | tokens | " + " | ".join(providers) + " |"
-    rule = "|---|---:|---:|" + "---:|" * len(providers)
-    out += ["Median time per call:", "", head, rule]
+    out = [f"### {stage}", "", what + ".", "", "Median time per call:", ""]
+    times = []
     for w in workloads:
         row = by_workload[w]
         any_r = next(iter(row.values()))
         cells = [fmt_time(row[p].median) if p in row else "–" for p in providers]
-        out.append(f"| {w} | {any_r.num_reqs} | {any_r.num_tokens} | " + " | ".join(cells) + " |")
-    ratio_cols = [] if base is None else [p for p in providers if _reference_for(base, p, present) not in (None, p)]
+        times.append([w, str(any_r.num_reqs), str(any_r.num_tokens), *cells])
+    out += markdown_table(["workload", "reqs", "tokens", *providers], "lrr" + "r" * len(providers), times)
+    refs = {} if base is None else {p: reference_for(base, p, present) for p in providers}
+    ratio_cols = [p for p, ref in refs.items() if ref not in (None, p)]
     if ratio_cols:
         out += ["", f"Time relative to `{base}` on the same device (below 1.00× is faster than `{base}`):", ""]
-        out += ["| workload | " + " | ".join(ratio_cols) + " |", "|---|" + "---:|" * len(ratio_cols)]
+        ratios = []
         for w in workloads:
             row = by_workload[w]
-            cells = []
-            for p in ratio_cols:
-                ref = _reference_for(base, p, present)  # type: ignore[arg-type]
-                ok = p in row and ref in row
-                cells.append(fmt_ratio(row[p].median / row[ref].median) if ok else "–")  # type: ignore[index]
-            out.append(f"| {w} | " + " | ".join(cells) + " |")
+            cells = [fmt_ratio(row[p].median / row[r].median) if p in row and (r := refs[p]) in row else "–"
+                     for p in ratio_cols]  # fmt: skip
+            ratios.append([w, *cells])
+        out += markdown_table(["workload", *ratio_cols], "l" + "r" * len(ratio_cols), ratios)
     flops = any(r.flops for r in results) and stage == "paged_attention"
     if not any(r.flops if flops else r.nbytes for r in results):  # no work recorded (vllm_prep): no throughput
         return [*out, ""]
     unit = "GFLOP/s" if flops else "GB/s"
     out += ["", f"Throughput ({unit}, from the work recorded in extra_info):", ""]
-    out += ["| workload | " + " | ".join(providers) + " |", "|---|" + "---:|" * len(providers)]
+    work = []
     for w in workloads:
         row = by_workload[w]
         cells = [f"{getattr(row[p], 'flops' if flops else 'nbytes') / row[p].median / 1e9:.3g}" if p in row else "–"
                  for p in providers]  # fmt: skip
-        out.append(f"| {w} | " + " | ".join(cells) + " |")
+        work.append([w, *cells])
+    out += markdown_table(["workload", *providers], "l" + "r" * len(providers), work)
     plot = _plot(machine, stage, results, img_dir)
     if plot is not None:
         out += ["", f"![{stage}: time vs batch size]({os.path.relpath(plot, page.parent)})"]
@@ -118,25 +129,23 @@ def _plot(machine: str, stage: str, results: list[Result], img_dir: Path) -> Pat
     return path
 
 
-def _gpu_lines(machine: str, results: list[Result]) -> list[str]:
+def _gpu_lines(device: str, results: list[Result]) -> list[str]:
     gpu = [r for r in results if r.provider == "fast-cuda"]
     if not gpu:
         return [
             "No CUDA device in this run: the GPU targets (prepare launches and time, attention and KV-write "
             "bandwidth as a fraction of peak) are measured by running `slotmap bench` on a GPU machine."
         ]
-    peak = next((v for k, v in PEAK_GBPS.items() if k.lower() in machine.split("-")), None)
-    out = [
-        "| stage | workload | median | launches | GB/s | fraction of peak |",
-        "|---|---|---:|---:|---:|---:|",
-    ]
+    peak = peak_bandwidth(device)  # bytes/s
+    body = []
     for r in sorted(gpu, key=lambda r: (r.stage, workload_key(r))):
         if r.stage in ("prepare", "paged_attention", "write_kv"):
-            gbps = r.nbytes / r.median / 1e9
-            frac = f"{gbps / peak:.0%}" if peak else "peak unknown"
+            bandwidth = r.nbytes / r.median
+            frac = f"{bandwidth / peak:.0%}" if peak else "peak unknown"
             launches = "" if r.launches is None else str(r.launches)
-            out.append(f"| {r.stage} | {r.workload} | {fmt_time(r.median)} | {launches} | {gbps:.1f} | {frac} |")
-    return out
+            body.append([r.stage, r.workload, fmt_time(r.median), launches, f"{bandwidth / 1e9:.1f}", frac])
+    header = ["stage", "workload", "median", "launches", "GB/s", "fraction of peak"]
+    return markdown_table(header, "llrrrr", body)
 
 
 def render(json_paths: list[Path], page: Path, img_dir: Path) -> None:
@@ -228,7 +237,7 @@ def render(json_paths: list[Path], page: Path, img_dir: Path) -> None:
             "",
             "GPU:",
             "",
-            *_gpu_lines(machine, results),
+            *_gpu_lines(info.get("cuda_device") or machine, results),
             "",
         ]
         trims = _trims(data)
@@ -251,9 +260,3 @@ def _trims(data: dict[str, Any]) -> list[str]:
             scope = "every provider of the kernel stages"
         out.append(f"`{trim['workload']}`, {scope}: {trim['why']}")
     return out
-
-
-def _reference_for(base: str, provider: str, present: set[str]) -> str | None:
-    if provider.endswith("-cuda") and f"{base}-cuda" in present:
-        return f"{base}-cuda"
-    return base if base in present else None

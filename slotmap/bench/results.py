@@ -1,11 +1,16 @@
-"""The saved pytest-benchmark JSON as rows the page and the targets table read, and how they print numbers."""
+"""The saved pytest-benchmark JSON as rows the pages and the targets table read, and how they print them:
+numbers, and tables in Markdown (the pages) or on the console (one table renderer for both performance pages).
+"""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from rich.table import Table
 
 PROVIDER_ORDER = ("fast", "fast-cuda", "spec", "numpy-vectorised", "python-lists", "dense-sdpa", "dense-sdpa-cuda")
 
@@ -31,6 +36,11 @@ class Result:
 
 def load(path: Path) -> tuple[dict[str, Any], list[Result]]:
     data = json.loads(path.read_text())
+    return data, rows(data)
+
+
+def rows(data: dict[str, Any]) -> list[Result]:
+    """The benchmarks of one pytest-benchmark JSON that recorded a stage (harness.record), one row per provider."""
     results = []
     for b in data["benchmarks"]:
         info = b.get("extra_info", {})
@@ -58,7 +68,7 @@ def load(path: Path) -> tuple[dict[str, Any], list[Result]]:
                 info.get("reference_median"),
             )
         )
-    return data, results
+    return results
 
 
 def fmt_time(seconds: float) -> str:
@@ -73,7 +83,27 @@ def fmt_ratio(ratio: float) -> str:
     return f"{ratio:.2f}×"
 
 
-def _reference_for(base: str, provider: str, present: set[str]) -> str | None:
+def markdown_table(header: Sequence[str], align: str, body: Iterable[Sequence[str]]) -> list[str]:
+    """A Markdown table's lines; `align` has one letter per column: l (left) or r (right)."""
+
+    def line(cells: Sequence[str]) -> str:
+        return "|" + "|".join(f" {c} " if c else " " for c in cells) + "|"
+
+    return [line(header), "|" + "".join("---:|" if a == "r" else "---|" for a in align), *map(line, body)]
+
+
+def console_table(title: str, header: Sequence[str], align: str, body: Iterable[Sequence[str]]) -> Table:
+    """The same table for the terminal (cells may carry rich markup)."""
+    table = Table(title=title)
+    for col, a in zip(header, align, strict=True):
+        table.add_column(col, justify="right" if a == "r" else "left")
+    for cells in body:
+        table.add_row(*cells)
+    return table
+
+
+def reference_for(base: str, provider: str, present: set[str]) -> str | None:
+    """The provider a ratio of `provider` divides by: `base`, or its CUDA twin for a CUDA provider."""
     if provider.endswith("-cuda") and f"{base}-cuda" in present:
         return f"{base}-cuda"
     return base if base in present else None

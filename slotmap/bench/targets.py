@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from rich.table import Table
 
-from slotmap.bench.results import Result, fmt_ratio, workload_key
+from slotmap.bench.results import Result, console_table, fmt_ratio, markdown_table, workload_key
 
 
 @dataclass(frozen=True)
@@ -128,21 +128,17 @@ def _verdict(met: bool | None) -> str:
     return "–" if met is None else ("met" if met else "not met")
 
 
+def _shown(row: Row) -> str:
+    return "not measured" if row.measured is None else fmt_ratio(row.measured)
+
+
 def markdown_rows(rows: list[Row]) -> list[str]:
-    out = ["| target (CPU) | measured | goal | |", "|---|---:|---:|---|"]
-    for row in rows:
-        shown = "not measured" if row.measured is None else fmt_ratio(row.measured)
-        verdict = _verdict(row.met) if row.met is not False else "**not met**"
-        out.append(f"| {row.what} | {shown} | {row.goal} | {verdict} |")
-    return out
+    verdicts = [_verdict(row.met) if row.met is not False else "**not met**" for row in rows]
+    body = [(row.what, _shown(row), row.goal, verdict) for row, verdict in zip(rows, verdicts, strict=True)]
+    return markdown_table(("target (CPU)", "measured", "goal", ""), "lrrl", body)
 
 
 def rich_table(rows: list[Row], title: str) -> Table:
-    table = Table(title=title)
-    for col, justify in (("target", "left"), ("measured", "right"), ("goal", "right"), ("", "left")):
-        table.add_column(col, justify=justify)  # type: ignore[arg-type]
-    for row in rows:
-        shown = "not measured" if row.measured is None else fmt_ratio(row.measured)
-        style = {True: "green", False: "bold red", None: "dim"}[row.met]
-        table.add_row(row.what, shown, row.goal, f"[{style}]{_verdict(row.met)}[/]")
-    return table
+    style = {True: "green", False: "bold red", None: "dim"}
+    body = [(row.what, _shown(row), row.goal, f"[{style[row.met]}]{_verdict(row.met)}[/]") for row in rows]
+    return console_table(title, ("target", "measured", "goal", ""), "lrrl", body)

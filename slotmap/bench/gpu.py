@@ -1,10 +1,12 @@
 """docs/performance-gpu.md from a GPU run: the pytest-benchmark JSON of the kernel and host benchmarks plus
-the probe's JSON (benchmarks/gpu_probe.py), and a one-screen summary printed last.
+the probe's JSON (benchmarks/gpu_probe.py), and a one-screen summary printed last; and the devices' peak
+bandwidths, which docs/performance.md's GPU section divides by too.
 
 Every number on the page comes from those two files, written by `scripts/gpu-check` on a machine with an
 NVIDIA GPU; nothing here measures anything, and a run without a CUDA device is refused rather than rendered.
+The JSON is read and the tables are drawn as for docs/performance.md (slotmap/bench/results.py).
 
-    python -m benchmarks.gpu_report BENCH_JSON PROBE_JSON [--out docs/performance-gpu.md]
+    python -m slotmap.bench.gpu BENCH_JSON PROBE_JSON [--out docs/performance-gpu.md]
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.table import Table
+
+from slotmap.bench.results import console_table, markdown_table, rows
 
 # HBM bandwidth per device, in bytes/s, matched by substring of torch.cuda.get_device_name() (longest first).
 # Source: NVIDIA's data sheets (H200: "NVIDIA H200 Tensor Core GPU" datasheet, 4.8 TB/s; H100 SXM 3.35 TB/s,
@@ -43,7 +46,7 @@ PEAK_SOURCE = "NVIDIA data sheets (H200, H100, A100, L40S, L4, A10), HBM/GDDR ba
 DECODE_BW_TARGET = 0.70  # decode attention, batch >= 64, context >= 2k, bf16
 KV_WRITE_BW_TARGET = 0.50
 PREFILL_VS_SDPA_TARGET = 0.60  # fast's prefill FLOP/s / torch SDPA's on dense data
-MAX_PREPARE_LAUNCHES = 3
+MAX_PREPARE_LAUNCHES = 1  # prepare is one launch (docs/architecture.md)
 
 
 def peak_bandwidth(device_name: str) -> float | None:
@@ -51,18 +54,6 @@ def peak_bandwidth(device_name: str) -> float | None:
         if key.lower() in device_name.lower():
             return PEAK_BANDWIDTH[key]
     return None
-
-
-@dataclass(frozen=True)
-class Measurement:
-    stage: str
-    workload: str
-    kind: str
-    provider: str
-    num_reqs: int
-    median_s: float
-    nbytes: int
-    flops: int
 
 
 @dataclass
@@ -73,27 +64,12 @@ class Summary:
     probe: dict[str, Any] = field(default_factory=dict)
 
 
-def load_measurements(bench: dict[str, Any]) -> list[Measurement]:
-    out = []
-    for b in bench.get("benchmarks", []):
-        info = b.get("extra_info", {})
-        if "stage" not in info:
-            continue
-        out.append(
-            Measurement(
-                info["stage"], info["workload"], info["kind"], info["provider"], int(info["num_reqs"]),
-                float(b["stats"]["median"]), int(info.get("bytes", 0)), int(info.get("flops", 0)),
-            )
-        )  # fmt: skip
-    return out
-
-
 def summarize(bench: dict[str, Any], probe: dict[str, Any]) -> Summary:
     device = bench.get("machine_info", {}).get("cuda_device") or probe.get("device")
     if not device:
         raise ValueError("no CUDA device recorded in the benchmark JSON: the GPU page is written only from a GPU run")
     summary = Summary(device, peak_bandwidth(device), probe=probe)
-    found = {(m.stage, m.workload, m.provider): m for m in load_measurements(bench)}
+    found = {(m.stage, m.workload, m.provider): m for m in rows(bench)}
 
     def add(quantity: str, value: float | None, unit: str, target: str = "", met: bool | None = None) -> None:
         summary.rows.append({"quantity": quantity, "value": value, "unit": unit, "target": target, "met": met})
@@ -110,21 +86,21 @@ def summarize(bench: dict[str, Any], probe: dict[str, Any]) -> Summary:
         if provider != "fast-cuda":
             continue
         if stage == "prepare":
-            add(f"prepare time, {workload}", m.median_s * 1e6, "µs")
+            add(f"prepare time, {workload}", m.median * 1e6, "µs")
         elif stage == "write_kv" and summary.peak_bw:
-            frac = m.nbytes / m.median_s / summary.peak_bw
+            frac = m.nbytes / m.median / summary.peak_bw
             add(f"write_kv bandwidth, {workload}", frac * 100, "% of peak", f">= {KV_WRITE_BW_TARGET:.0%}",
                 frac >= KV_WRITE_BW_TARGET)  # fmt: skip
         elif stage == "paged_attention" and m.kind == "decode" and summary.peak_bw:
-            frac = m.nbytes / m.median_s / summary.peak_bw
+            frac = m.nbytes / m.median / summary.peak_bw
             big = m.num_reqs >= 64  # decode workloads draw contexts from 1k-4k tokens (mean 2.5k)
             add(f"decode attention bandwidth, {workload}", frac * 100, "% of peak",
                 f">= {DECODE_BW_TARGET:.0%}" if big else "", (frac >= DECODE_BW_TARGET) if big else None)  # fmt: skip
         elif stage == "paged_attention" and m.kind == "prefill":
             dense = found.get((stage, workload, "dense-sdpa-cuda"))
-            add(f"prefill attention, {workload}", m.flops / m.median_s / 1e12, "TFLOP/s")
+            add(f"prefill attention, {workload}", m.flops / m.median / 1e12, "TFLOP/s")
             if dense is not None:
-                ratio = dense.median_s / m.median_s  # FLOP/s ratio: same work on both sides
+                ratio = dense.median / m.median  # FLOP/s ratio: same work on both sides
                 add(f"prefill vs torch SDPA (dense), {workload}", ratio, "x SDPA's FLOP/s",
                     f">= {PREFILL_VS_SDPA_TARGET}", ratio >= PREFILL_VS_SDPA_TARGET)  # fmt: skip
     return summary
@@ -141,7 +117,7 @@ def render_markdown(summary: Summary) -> str:
     lines = [
         "# Performance on GPU",
         "",
-        "Generated by `scripts/gpu-check` (benchmarks/gpu_report.py) from the saved output of one run on",
+        "Generated by `scripts/gpu-check` (slotmap/bench/gpu.py) from the saved output of one run on",
         f"**{summary.device}**. Every number below was measured on that GPU; the page is never written without one.",
         "",
         f"- Peak memory bandwidth used for fractions: {peak} ({PEAK_SOURCE}).",
@@ -150,25 +126,26 @@ def render_markdown(summary: Summary) -> str:
         "- Bandwidth: bytes recorded by each benchmark (K/V read once per request, q and out; for write_kv the",
         "  key/value read and written) over its median time.",
         "",
-        "| quantity | value | unit | target | met |",
-        "|---|---|---|---|---|",
+        *markdown_table(COLUMNS, "lllll", _cells(summary, {True: "yes", False: "**no**"})),
     ]
-    for r in summary.rows:
-        met = "" if r["met"] is None else ("yes" if r["met"] else "**no**")
-        lines.append(f"| {r['quantity']} | {_fmt(r['value'])} | {r['unit']} | {r['target']} | {met} |")
     if summary.probe.get("versions"):
         lines += ["", "Versions: " + ", ".join(f"{k} {v}" for k, v in summary.probe["versions"].items()) + "."]
     return "\n".join(lines) + "\n"
 
 
 def print_summary(summary: Summary, console: Console | None = None) -> None:
-    table = Table(title=f"slotmap on {summary.device}", show_lines=False)
-    for col in ("quantity", "value", "unit", "target", "met"):
-        table.add_column(col)
-    for r in summary.rows:
-        met = "" if r["met"] is None else ("[green]yes" if r["met"] else "[red]no")
-        table.add_row(r["quantity"], _fmt(r["value"]), r["unit"], r["target"], met)
-    (console or Console()).print(table)
+    body = _cells(summary, {True: "[green]yes", False: "[red]no"})
+    (console or Console()).print(console_table(f"slotmap on {summary.device}", COLUMNS, "lllll", body))
+
+
+COLUMNS = ("quantity", "value", "unit", "target", "met")
+
+
+def _cells(summary: Summary, verdicts: dict[bool, str]) -> list[tuple[str, ...]]:
+    return [
+        (r["quantity"], _fmt(r["value"]), r["unit"], r["target"], "" if r["met"] is None else verdicts[r["met"]])
+        for r in summary.rows
+    ]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
