@@ -7,6 +7,13 @@ output is in the input dtype. CUDA tensors (or CPU tensors with the Triton inter
 varlen kernel of fast.kernels.paged_attention; other CPU tensors run its CPU counterpart,
 fast.cpu.attention: the same walk over the visible blocks with an online softmax, compiled with Numba,
 reading the cache in place in every dtype. Both take decode, prefill and mixed batches in one launch.
+
+fp8 caches (kv_cache_dtype "fp8" / "fp8_e4m3" / "fp8_e5m2", spec.attention): uint8 codes or torch's float8
+dtype of the format (fast.fp8), read through a uint8 view; the query is float16, bfloat16 or float32 as
+always. Both kernels decode the codes as they load them and apply the scales as FlashInfer does (the
+logits' scale times k_scale of the KV head, the output times its v_scale), so no dequantized copy of the
+cache is ever made. The scales are checked on the host (spec.kv_cache.check_kv_scales): a scale given as a
+CUDA tensor costs one device->host copy per call.
 """
 
 from __future__ import annotations
@@ -14,8 +21,10 @@ from __future__ import annotations
 import torch
 
 from fast.cpu.attention import paged_attention_cpu
+from fast.fp8 import codes, scale_tensor
 from fast.runtime import use_triton
 from spec.attention import check_attention_inputs
+from spec.kv_cache import check_kv_scales
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -31,12 +40,18 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    kv_cache_dtype: str = "auto",
+    k_scale: float | torch.Tensor = 1.0,  # one value, or [num_kv_heads]
+    v_scale: float | torch.Tensor = 1.0,
 ) -> torch.Tensor:  # [T, num_heads, head_dim]
-    check_attention_inputs(
+    fmt = check_attention_inputs(
         query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
-        scale=scale, sliding_window=sliding_window, softcap=softcap,
+        scale=scale, sliding_window=sliding_window, softcap=softcap, kv_cache_dtype=kv_cache_dtype,
     )  # fmt: skip
+    k_values, v_values = check_kv_scales("paged_attention", fmt, k_scale, v_scale, key_cache.shape[2])
     check_attention_tensors(query, key_cache, value_cache, block_table, seq_lens, query_start_loc)
+    if fmt is not None:
+        key_cache, value_cache = codes(key_cache), codes(value_cache)
     if use_triton(query.device):
         from fast.kernels.paged_attention import paged_attention_triton  # lazily: the CPU path needs no Triton
 
@@ -46,9 +61,13 @@ def paged_attention(
         block_table, seq_lens, query_start_loc = (
             t if t.stride(-1) == 1 else t.contiguous() for t in (block_table, seq_lens, query_start_loc)
         )
+        k_scales = v_scales = None  # [num_kv_heads] float32 on the device, for an fp8 cache
+        if fmt is not None:
+            k_scales, v_scales = scale_tensor(k_values, query.device), scale_tensor(v_values, query.device)
         paged_attention_triton(
             out, query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
-            scale=float(scale), sliding_window=sliding_window, softcap=softcap,
+            scale=float(scale), sliding_window=sliding_window, softcap=softcap, fmt=fmt, k_scale=k_scales,
+            v_scale=v_scales,
         )  # fmt: skip
         return out
     # the CPU kernel reads and writes float32 rows; a float32 query is used as it lies
@@ -56,7 +75,8 @@ def paged_attention(
     out32 = torch.zeros_like(query32)  # padding rows past query_start_loc[-1] stay zero
     paged_attention_cpu(
         out32, query32, key_cache.detach(), value_cache.detach(), block_table, seq_lens, query_start_loc,
-        scale=float(scale), sliding_window=sliding_window, softcap=softcap,
+        scale=float(scale), sliding_window=sliding_window, softcap=softcap, fmt=fmt, k_scale=k_values,
+        v_scale=v_values,
     )  # fmt: skip
     return out32 if query.dtype == torch.float32 else out32.to(query.dtype)
 

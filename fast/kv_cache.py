@@ -9,6 +9,13 @@ any token is padding (only then are the real tokens selected, once for both cach
 The slot range check that spec performs needs the slot values on the host: on CUDA it costs one
 device->host synchronisation per call. The kernel also skips out-of-range slots, so a bad slot can never
 write outside the cache even if that check were removed.
+
+fp8 caches (kv_cache_dtype "fp8" / "fp8_e4m3" / "fp8_e5m2", spec.kv_cache): the caches are uint8 codes or
+torch's float8 dtype of the format (fast.fp8), written through a uint8 view. The Triton kernel quantizes
+each element (float32 division by the KV head's scale, then spec's encode in integer arithmetic); the CPU
+path quantizes with torch's float8 conversion (fast.fp8.quantize) and scatters the codes like any cache.
+The scales are checked on the host (spec.kv_cache.check_kv_scales): a scale given as a CUDA tensor costs
+one more device->host copy per call.
 """
 
 from __future__ import annotations
@@ -16,8 +23,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from fast.fp8 import codes, quantize, scale_tensor
 from fast.runtime import use_triton
-from spec.kv_cache import check_kv_inputs
+from spec.kv_cache import check_kv_inputs, check_kv_scales
 from spec.types import PAD_SLOT_ID
 
 
@@ -27,10 +35,21 @@ def write_kv(
     key: torch.Tensor,  # [T, num_kv_heads, head_dim]
     value: torch.Tensor,  # [T, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [T] int64, flat token index -> slot
+    *,
+    kv_cache_dtype: str = "auto",
+    k_scale: float | torch.Tensor = 1.0,  # one value, or [num_kv_heads]
+    v_scale: float | torch.Tensor = 1.0,
 ) -> None:
-    check_kv_inputs(key_cache, value_cache, key, value, slot_mapping)
+    fmt = check_kv_inputs(key_cache, value_cache, key, value, slot_mapping, kv_cache_dtype=kv_cache_dtype)
+    k_values, v_values = check_kv_scales("write_kv", fmt, k_scale, v_scale, key_cache.shape[2])  # [num_kv_heads]
     check_kv_tensors(key_cache, value_cache, key, value, slot_mapping)
+    k_scales = v_scales = None  # [num_kv_heads] float32 on the device, for an fp8 cache
+    if fmt is not None:
+        key_cache, value_cache = codes(key_cache), codes(value_cache)
+        k_scales, v_scales = scale_tensor(k_values, key.device), scale_tensor(v_values, key.device)
     if not use_triton(key_cache.device):
+        if fmt is not None and k_scales is not None and v_scales is not None:
+            key, value = quantize(key, k_scales, fmt), quantize(value, v_scales, fmt)
         _write_kv_torch(key_cache, value_cache, key, value, slot_mapping)
         return
     num_slots = key_cache.shape[0] * key_cache.shape[1]
@@ -42,7 +61,8 @@ def write_kv(
 
     # the kernel reads head_dim without a stride; spec takes any layout of the (small) new keys and values
     key, value = (x if x.stride(2) == 1 else x.contiguous() for x in (key, value))
-    write_kv_triton(key_cache, value_cache, key, value, slot_mapping.contiguous())
+    write_kv_triton(key_cache, value_cache, key, value, slot_mapping.contiguous(), fmt=fmt, k_scale=k_scales,
+                    v_scale=v_scales)  # fmt: skip
 
 
 def check_kv_tensors(

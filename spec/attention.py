@@ -14,6 +14,12 @@ Input contract, shared by every backend (check_attention_inputs; each raises Val
 argument): the shapes in the signature; query and both caches of one float dtype; block_table, seq_lens and
 query_start_loc int32 or int64; the caches laid out alike (spec.kv_cache.check_cache_layout); sliding_window
 an int >= 1 or None; softcap a finite number > 0 or None; scale a real number.
+
+fp8 caches (kv_cache_dtype "fp8" / "fp8_e4m3" / "fp8_e5m2", spec.kv_cache): the caches hold uint8 codes
+and attention reads key `decode(code) * k_scale[h]` and value `decode(code) * v_scale[h]` for KV head h,
+computed in the query's dtype like everything else (decode is exact in float16, bfloat16 and float32; the
+product with the scale is rounded to the query's dtype); the query is then any float dtype, its values the
+only floats of the call. The scales follow spec.kv_cache.check_kv_scales (1 with "auto").
 """
 
 from __future__ import annotations
@@ -24,7 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from spec.kv_cache import check_cache_layout, dtype_name, is_float
+from spec.fp8 import Fp8Format, cache_format, dequantize
+from spec.kv_cache import check_cache_layout, check_fp8_caches, check_kv_scales, dtype_name, is_float
 
 INDEX_DTYPES = ("int32", "int64")
 
@@ -40,12 +47,16 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    kv_cache_dtype: str = "auto",
+    k_scale: float | np.ndarray = 1.0,  # one value, or [num_kv_heads]
+    v_scale: float | np.ndarray = 1.0,
 ) -> np.ndarray:  # [T, num_heads, head_dim]
-    check_attention_inputs(
+    fmt = check_attention_inputs(
         query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
-        scale=scale, sliding_window=sliding_window, softcap=softcap,
+        scale=scale, sliding_window=sliding_window, softcap=softcap, kv_cache_dtype=kv_cache_dtype,
     )  # fmt: skip
     block_size, num_kv_heads = key_cache.shape[1:3]
+    k_scales, v_scales = check_kv_scales("paged_attention", fmt, k_scale, v_scale, num_kv_heads)  # [num_kv_heads]
     num_heads = query.shape[1]
     dtype = query.dtype.type
     out = np.zeros_like(query)
@@ -57,6 +68,9 @@ def paged_attention(
         blocks = block_table[b, k_pos // block_size]
         keys = key_cache[blocks, k_pos % block_size]  # [k, num_kv_heads, head_dim]
         values = value_cache[blocks, k_pos % block_size]
+        if fmt is not None:  # codes -> the values they stand for, in the query's dtype
+            keys = dequantize(keys, fmt, k_scales[None, :, None], dtype)
+            values = dequantize(values, fmt, v_scales[None, :, None], dtype)
         group = num_heads // num_kv_heads
         keys, values = np.repeat(keys, group, axis=1), np.repeat(values, group, axis=1)  # [k, H, D]
         logits = np.einsum("qhd,khd->hqk", query[q_start:q_end], keys) * dtype(scale)
@@ -83,11 +97,14 @@ def check_attention_inputs(
     scale: Any,
     sliding_window: Any,
     softcap: Any,
-) -> None:
+    kv_cache_dtype: Any = "auto",
+) -> Fp8Format | None:
     """The input contract of paged_attention (module docstring), for NumPy arrays and torch tensors alike.
 
     Shapes, dtypes, layouts and the scalar options only: checking values would cost a device->host sync.
+    Returns the caches' fp8 format (None for "auto"); the scales are checked by check_kv_scales.
     """
+    fmt = cache_format(kv_cache_dtype, "paged_attention")
     if key_cache.ndim != 4 or key_cache.shape != value_cache.shape:
         raise ValueError(
             f"paged_attention: key_cache and value_cache must share a 4-d shape, got {tuple(key_cache.shape)}, "
@@ -105,8 +122,10 @@ def check_attention_inputs(
         )
     if tuple(query_start_loc.shape) != (num_reqs + 1,):
         raise ValueError(f"paged_attention: query_start_loc {tuple(query_start_loc.shape)} must be [{num_reqs + 1}]")
+    if fmt is not None:
+        check_fp8_caches("paged_attention", fmt, kv_cache_dtype, key_cache, value_cache)
     for name, x in (("key_cache", key_cache), ("value_cache", value_cache)):
-        if x.dtype != query.dtype:
+        if fmt is None and x.dtype != query.dtype:
             raise ValueError(f"paged_attention: {name} is {dtype_name(x.dtype)}, query {dtype_name(query.dtype)}")
     if not is_float(query.dtype):
         raise ValueError(f"paged_attention: query must hold floats, got {dtype_name(query.dtype)}")
@@ -124,3 +143,4 @@ def check_attention_inputs(
         isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not 0 < float(softcap) < math.inf
     ):
         raise ValueError(f"paged_attention: softcap must be a finite number > 0 or None, got {softcap!r}")
+    return fmt

@@ -27,7 +27,18 @@ class PoolFactory(Protocol):
 
 
 class WriteKV(Protocol):
-    def __call__(self, key_cache: Any, value_cache: Any, key: Any, value: Any, slot_mapping: Any) -> None: ...
+    def __call__(
+        self,
+        key_cache: Any,
+        value_cache: Any,
+        key: Any,
+        value: Any,
+        slot_mapping: Any,
+        *,
+        kv_cache_dtype: str = "auto",
+        k_scale: Any = 1.0,  # a number, or an array of 1 or num_kv_heads floats (spec/kv_cache.py)
+        v_scale: Any = 1.0,
+    ) -> None: ...
 
 
 class PagedAttention(Protocol):
@@ -43,6 +54,9 @@ class PagedAttention(Protocol):
         scale: float,
         sliding_window: int | None = None,
         softcap: float | None = None,
+        kv_cache_dtype: str = "auto",
+        k_scale: Any = 1.0,
+        v_scale: Any = 1.0,
     ) -> Any: ...
 
 

@@ -15,6 +15,10 @@ matrix products, not the reads, are the cost, and SDPA's are several times faste
 elements are widened to float32 as they are loaded (fast.cpu.lanes), so a float16 or bfloat16 cache is
 never converted in memory. Non-finite inputs follow IEEE arithmetic as spec does: a NaN in a row's
 visible logits makes the row NaN.
+
+fp8 caches are read in place too: their codes are widened to float32 as they are loaded (fast.cpu.lanes:
+e4m3 read as uint8, e5m2 as int8), and the scales are applied per KV head as FlashInfer does: the logits'
+scale times k_scale[h], the output times v_scale[h] (the kernel takes scales of 1 for other caches).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from numba import njit, prange
 
 from fast.cpu.lanes import exp, tanh, widen
 from fast.cpu.prefill import prefill_sdpa, sdpa_rows
+from spec.fp8 import Fp8Format
 
 # reassociation lets LLVM vectorise the dot products and sums; no nnan/ninf, so NaN and inf stay IEEE
 FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
@@ -49,8 +54,14 @@ def paged_attention_cpu(
     scale: float,
     sliding_window: int | None,
     softcap: float | None,
+    fmt: Fp8Format | None = None,  # caches of uint8 codes of this format, or None: a float dtype
+    k_scale: np.ndarray | None = None,  # [num_kv_heads] float32, for an fp8 cache
+    v_scale: np.ndarray | None = None,  # [num_kv_heads] float32, for an fp8 cache
 ) -> None:
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
+    ones = np.ones(num_kv_heads, np.float32)
+    k_scales = ones if fmt is None or k_scale is None else np.ascontiguousarray(k_scale, np.float32)
+    v_scales = ones if fmt is None or v_scale is None else np.ascontiguousarray(v_scale, np.float32)
     group = query.shape[1] // num_kv_heads
     strides = np.array(key_cache.stride()[:3], np.int64)  # block, slot in block, KV head (elements)
     table, lens, starts = (t.numpy() for t in (block_table, seq_lens, query_start_loc))
@@ -59,7 +70,7 @@ def paged_attention_cpu(
     prefill = sdpa_rows(query, starts, scale=scale, softcap=softcap)  # [k] rows torch's SDPA computes faster
     if prefill.size:
         prefill_sdpa(out, query, key_cache, value_cache, table, lens, starts, prefill, scale=scale,
-                     sliding_window=sliding_window)  # fmt: skip
+                     sliding_window=sliding_window, fmt=fmt, k_scale=k_scales, v_scale=v_scales)  # fmt: skip
         items = items[~np.isin(items[:, 0], prefill)]
     if items.shape[0] == 0:
         return
@@ -67,22 +78,25 @@ def paged_attention_cpu(
     numba.set_num_threads(max(1, min(torch_threads, numba.config.NUMBA_NUM_THREADS)))  # type: ignore[attr-defined]
     with numba.parallel_chunksize(1):  # items differ in cost (causal tiles, context lengths): hand them out one by one
         _attention_kernel(
-            out.numpy(), query.numpy(), _elements(key_cache), _elements(value_cache), strides, table, items,
+            out.numpy(), query.numpy(), _elements(key_cache, fmt), _elements(value_cache, fmt), strides, table, items,
             group, head_dim, block_size, np.float32(scale), sliding_window or 0,
-            np.float32(softcap or 0.0),
+            np.float32(softcap or 0.0), k_scales, v_scales,
         )  # fmt: skip
     # Numba's OpenMP threading layer (where it is the one in use) leaves its own thread count in the OpenMP
     # runtime it shares with torch (and any extension on it): torch's count is restored
     torch.set_num_threads(torch_threads)
 
 
-def _elements(cache: torch.Tensor) -> np.ndarray:
-    """The cache's memory as one flat array of its elements (bfloat16 as uint16, float16 as int16 bits).
+def _elements(cache: torch.Tensor, fmt: Fp8Format | None) -> np.ndarray:
+    """The cache's memory as one flat array of its elements (bfloat16 as uint16, float16 as int16 bits; fp8
+    codes as uint8 for e4m3 and int8 for e5m2: the element type tells fast.cpu.lanes.widen the format).
 
     Flat from the first element to the last, whatever the strides (padded blocks included), so the kernel
     addresses block, slot, head and dim with the cache's own strides and its innermost loop is contiguous.
     """
-    if cache.dtype == torch.bfloat16:
+    if fmt is not None:
+        bits = cache.numpy() if fmt.name == "e4m3" else cache.numpy().view(np.int8)
+    elif cache.dtype == torch.bfloat16:
         bits = cache.view(torch.int16).numpy().view(np.uint16)
     elif cache.dtype == torch.float16:
         bits = cache.view(torch.int16).numpy()
@@ -166,6 +180,8 @@ def _attention_kernel(  # pragma: no cover - compiled; tested through its result
     scale: np.float32,
     window: int,  # 0: no sliding window
     softcap: np.float32,  # 0: no soft-cap
+    k_scale: np.ndarray,  # [num_kv_heads] float32: the logits of KV head h are scaled by scale * k_scale[h]
+    v_scale: np.ndarray,  # [num_kv_heads] float32: its output rows by v_scale[h]
 ) -> None:
     neg_inf = np.float32(-np.inf)
     for it in prange(items.shape[0]):
@@ -188,10 +204,11 @@ def _attention_kernel(  # pragma: no cover - compiled; tested through its result
             block_at = block_table[b, blk] * strides[0]
             for j in range(j0, j1):
                 for r0 in range(0, rows, group):  # the group of query heads that reads one KV head
-                    at = block_at + j * strides[1] + (h0 + (r0 // group) % heads) * strides[2]
+                    kv_head = h0 + (r0 // group) % heads
+                    at = block_at + j * strides[1] + kv_head * strides[2]
                     # a slice, indexed by the loop variable: Numba then knows the index is not negative and
                     # drops its wraparound select, which had kept LLVM from vectorising (4x slower)
-                    _logits(s, q, key[at : at + head_dim], r0, r0 + group, j, scale)
+                    _logits(s, q, key[at : at + head_dim], r0, r0 + group, j, scale * k_scale[kv_head])
             for r in range(rows):
                 pos = p0 + r // (heads * group)
                 row_max = m[r]
@@ -223,7 +240,7 @@ def _attention_kernel(  # pragma: no cover - compiled; tested through its result
                     at = block_at + j * strides[1] + (h0 + (r0 // group) % heads) * strides[2]
                     _accumulate(acc, s, value[at : at + head_dim], r0, r0 + group, j)
         for r in range(rows):
-            inv = np.float32(1.0) / total[r]
+            inv = v_scale[h0 + (r % (heads * group)) // group] / total[r]
             for d in range(head_dim):
                 out[t0 + r // (heads * group), h0 * group + r % (heads * group), d] = acc[r, d] * inv
 

@@ -2,7 +2,11 @@
 
 Numba has no float16 or bfloat16 type, so the kernels read those caches as 16-bit integers (float16 as
 int16, bfloat16 as uint16: the element type says which) and `widen` turns one element into float32 with
-the instruction LLVM has for it (a shift for bfloat16, vcvtph2ps for float16), exactly. libm's expf and
+the instruction LLVM has for it (a shift for bfloat16, vcvtph2ps for float16), exactly. fp8 caches
+(spec.fp8) are read the same way as 8-bit integers, e4m3 as uint8 and e5m2 as int8: an e5m2 code is the
+top byte of the float16 of the same value, and an e4m3 code without its sign, moved 7 bits up, is the
+float16 of its value / 256 (subnormals included); NaN (0x7f) is selected apart. Both are selects and shifts,
+which LLVM vectorises. libm's expf and
 tanhf are scalar calls that keep LLVM from vectorising the softmax loops; `exp` and `tanh` here are
 branch-free polynomials (selects only) that it vectorises, within about 2 ulp of the true value on the
 arguments the kernels pass, and with IEEE behaviour on NaN and infinities (NaN stays NaN, exp(-inf) = 0,
@@ -31,16 +35,30 @@ _TANH_TAYLOR = tuple(np.float32(c) for c in (6404582.0 / 10854718875.0, -929569.
 
 
 def _widen_typer(typingctx: Any, x: Any) -> Any:  # pragma: no cover - compiled
-    """One cache element as float32: float32 as is, int16 as float16 bits, uint16 as bfloat16 bits."""
-    if x not in (types.float32, types.int16, types.uint16):
+    """One cache element as float32: float32 as is, int16 as float16 bits, uint16 as bfloat16 bits,
+    uint8 as an fp8 e4m3 code, int8 as an fp8 e5m2 code."""
+    if x not in (types.float32, types.int16, types.uint16, types.uint8, types.int8):
         return None
 
     def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
         (value,) = args
+        i16 = ir.IntType(16)
         if x == types.float32:
             return value
         if x == types.int16:
             return builder.fpext(builder.bitcast(value, ir.HalfType()), ir.FloatType())
+        if x == types.int8:  # e5m2: the float16 whose top byte is the code (inf and NaN included)
+            half_bits = builder.shl(builder.zext(value, i16), ir.Constant(i16, 8))
+            return builder.fpext(builder.bitcast(half_bits, ir.HalfType()), ir.FloatType())
+        if x == types.uint8:  # e4m3: sign | magnitude << 7 is the float16 of value / 2**8; 0x7f is NaN
+            code = builder.zext(value, i16)
+            magnitude = builder.and_(code, ir.Constant(i16, 0x7F))
+            sign = builder.shl(builder.and_(code, ir.Constant(i16, 0x80)), ir.Constant(i16, 8))
+            half_bits = builder.or_(builder.shl(magnitude, ir.Constant(i16, 7)), sign)
+            wide = builder.fpext(builder.bitcast(half_bits, ir.HalfType()), ir.FloatType())
+            scaled = builder.fmul(wide, ir.Constant(ir.FloatType(), 256.0))
+            is_nan = builder.icmp_unsigned("==", magnitude, ir.Constant(i16, 0x7F))
+            return builder.select(is_nan, ir.Constant(ir.FloatType(), float("nan")), scaled)
         wide = builder.shl(builder.zext(value, ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
         return builder.bitcast(wide, ir.FloatType())
 

@@ -6,7 +6,8 @@ row-at-a-time loops: measured side by side at one thread (interleaved, medians),
 for rows of 2 queries on 512 keys, 0.59x for 8, 0.25x for 32, and 0.26x for the mixed batch of
 benchmarks/cpu_kernel_cases.py (4 x 512 prefill on 512 + 64 decodes). Decode rows, soft-capped rows and
 rows with a non-finite query or scale stay with the kernel, which reads blocks in place and follows IEEE
-arithmetic where SDPA would zero a NaN row.
+arithmetic where SDPA would zero a NaN row. An fp8 cache's gathered codes are dequantized once
+(fast.fp8.dequantize: decode(code) * scale in float32) before SDPA.
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ import math
 import numpy as np
 import torch
 from torch.nn.functional import scaled_dot_product_attention
+
+from fast.fp8 import dequantize
+from spec.fp8 import Fp8Format
 
 MIN_QUERIES = 2  # a row with at least this many queries takes SDPA (from 2 on it is the faster, measured above)
 
@@ -48,6 +52,9 @@ def prefill_sdpa(
     *,
     scale: float,
     sliding_window: int | None,
+    fmt: Fp8Format | None = None,  # caches of uint8 codes of this format, or None: a float dtype
+    k_scale: np.ndarray | None = None,  # [num_kv_heads] float32, for an fp8 cache
+    v_scale: np.ndarray | None = None,  # [num_kv_heads] float32, for an fp8 cache
 ) -> None:
     _, block_size, num_kv_heads, head_dim = key_cache.shape
     num_heads = query.shape[1]
@@ -61,8 +68,12 @@ def prefill_sdpa(
         blocks = torch.from_numpy(block_table[b, first_block:end_block].astype(np.int64))
         # whole blocks, then the slots before k_first and from seq_len on cut off before any arithmetic
         cut = slice(k_first - first_block * block_size, seq_len - first_block * block_size)
-        keys = key_cache.index_select(0, blocks).flatten(0, 1)[cut].float()  # [k, num_kv_heads, D]
-        values = value_cache.index_select(0, blocks).flatten(0, 1)[cut].float()
+        keys = key_cache.index_select(0, blocks).flatten(0, 1)[cut]  # [k, num_kv_heads, D]
+        values = value_cache.index_select(0, blocks).flatten(0, 1)[cut]
+        if fmt is not None and k_scale is not None and v_scale is not None:
+            keys, values = (dequantize(keys, fmt, torch.from_numpy(k_scale)),
+                            dequantize(values, fmt, torch.from_numpy(v_scale)))  # fmt: skip
+        keys, values = keys.float(), values.float()
         # [num_q, num_heads, D] -> [num_kv_heads, group, num_q, D]; K/V broadcast over the group (no copy)
         q = query[q_start:q_end].view(num_q, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
         k4 = keys.transpose(0, 1)[:, None].expand(num_kv_heads, group, -1, head_dim)

@@ -14,6 +14,11 @@ end): blocks wholly outside the window are never touched. Online softmax in floa
 Reductions are spelled `tl.reduce(x, axis, tl.standard._..._combine)` rather than tl.max/tl.sum: those are
 themselves jitted functions, which the dual-flavour fast.runtime.Kernel cannot call from the interpreter
 (the interpreter recognises these combine functions and reduces with NumPy).
+
+fp8 caches (FP8_MANTISSA > 0): the caches are uint8 codes, decoded in the K/V loop with integer arithmetic
+on the bits (exact: every fp8 value is a float16, bfloat16 and float32 value) into the query's dtype; the
+scales are applied as FlashInfer does, not per element: the logits' scale is `scale * k_scale[kv_head]`
+and the output is multiplied by `v_scale[kv_head]` (a program serves one KV head, so one value each).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import triton
 import triton.language as tl
 
 from fast.runtime import interpret_enabled, kernel
+from spec.fp8 import Fp8Format
 
 BLOCK_M_MIN = 16  # tl.dot needs >= 16 rows
 BLOCK_N = 32  # key positions per inner tile
@@ -51,19 +57,23 @@ def paged_attention_triton(
     scale: float,
     sliding_window: int | None,
     softcap: float | None,
+    fmt: Fp8Format | None = None,  # caches of uint8 codes of this format, or None: the query's dtype
+    k_scale: torch.Tensor | None = None,  # [num_kv_heads] float32, for an fp8 cache
+    v_scale: torch.Tensor | None = None,  # [num_kv_heads] float32, for an fp8 cache
 ) -> None:
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     num_reqs = seq_lens.shape[0]
     if num_tokens == 0 or num_reqs == 0:  # nothing to attend; empty tensors' strides mean nothing
         return
-    _check_launch(out, query, key_cache, value_cache, block_table, seq_lens, query_start_loc)
+    _check_launch(out, query, key_cache, value_cache, block_table, seq_lens, query_start_loc, fmt, k_scale, v_scale)
     group = num_heads // num_kv_heads
     heads_pad, block_m, block_q = query_tile(group)
     fp32_dot = query.dtype == torch.float32 or (query.dtype == torch.bfloat16 and interpret_enabled())
     grid = (num_tokens // block_q + num_reqs, num_kv_heads)
     _paged_attention_kernel[grid](
         out, query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
+        query if k_scale is None else k_scale, query if v_scale is None else v_scale,  # unread without fp8
         num_reqs, group, head_dim, block_size,
         float(scale), float(softcap or 1.0), int(sliding_window or 1),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
@@ -71,6 +81,9 @@ def paged_attention_triton(
         BLOCK_Q=block_q, HEADS_PAD=heads_pad, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         USE_WINDOW=sliding_window is not None, USE_SOFTCAP=softcap is not None, FP32_DOT=fp32_dot,
+        FP8_MANTISSA=0 if fmt is None else fmt.mantissa_bits, FP8_BIAS=0 if fmt is None else fmt.bias,
+        FP8_MAX_CODE=0 if fmt is None else fmt.max_code, FP8_INF_CODE=0x7C if fmt is not None and fmt.name == "e5m2"
+        else 0x100, FP8_SUBNORMAL=0.0 if fmt is None else 2.0 ** (1 - fmt.bias - fmt.mantissa_bits),
         num_warps=NUM_WARPS_FP32_DOT if fp32_dot else NUM_WARPS,
     )  # fmt: skip
 
@@ -83,6 +96,9 @@ def _check_launch(
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
+    fmt: Fp8Format | None,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
 ) -> None:
     """What the kernel's addressing assumes; fast.attention.paged_attention arranges all of it for its callers."""
     _, num_heads, head_dim = query.shape
@@ -95,8 +111,14 @@ def _check_launch(
         raise ValueError(f"paged_attention: value_cache strides {value_cache.stride()} differ from key_cache's")
     if num_heads % key_cache.shape[2] or key_cache.shape[3] != head_dim:
         raise ValueError(f"paged_attention: query {tuple(query.shape)} does not fit key_cache {tuple(key_cache.shape)}")
-    if not query.dtype == key_cache.dtype == value_cache.dtype:
+    cache_dtype = query.dtype if fmt is None else torch.uint8
+    if not cache_dtype == key_cache.dtype == value_cache.dtype:
         raise ValueError(f"paged_attention: query {query.dtype} vs caches {key_cache.dtype}, {value_cache.dtype}")
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if fmt is not None and (
+            scale is None or tuple(scale.shape) != (key_cache.shape[2],) or scale.dtype != torch.float32
+        ):
+            raise ValueError(f"paged_attention: {name} must be [{key_cache.shape[2]}] float32 for an fp8 cache")
     if block_table.ndim != 2 or block_table.shape[0] != num_reqs:
         raise ValueError(f"paged_attention: block_table {tuple(block_table.shape)} must be [num_reqs={num_reqs}, max]")
     if tuple(query_start_loc.shape) != (num_reqs + 1,):
@@ -120,6 +142,8 @@ def _paged_attention_kernel(
     block_table_ptr,  # [num_reqs, max_blocks] batch_idx -> physical block ids
     seq_lens_ptr,  # [num_reqs]
     query_start_loc_ptr,  # [num_reqs + 1]
+    k_scale_ptr,  # [num_kv_heads] float32, read only for an fp8 cache
+    v_scale_ptr,  # [num_kv_heads] float32, read only for an fp8 cache
     num_reqs,
     group,  # query heads per KV head
     head_dim,
@@ -145,6 +169,11 @@ def _paged_attention_kernel(
     # dots in full float32 (not TF32): for float32 inputs, and for bfloat16 under Triton's interpreter, whose
     # tl.dot multiplies bfloat16's raw uint16 storage (Triton 3.x); compiled bfloat16 dots are native
     FP32_DOT: tl.constexpr,
+    FP8_MANTISSA: tl.constexpr,  # 0: caches of the query's dtype; 3 (e4m3) or 2 (e5m2): uint8 codes
+    FP8_BIAS: tl.constexpr,  # the format's exponent bias (7, 15)
+    FP8_MAX_CODE: tl.constexpr,  # its largest finite positive code: codes above it are NaN (or inf)
+    FP8_INF_CODE: tl.constexpr,  # the code of +inf (e5m2: 0x7c; e4m3 has none: 0x100, never matched)
+    FP8_SUBNORMAL: tl.constexpr,  # the smallest subnormal, 2**(1 - bias - mantissa bits)
 ):
     q_tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -192,6 +221,9 @@ def _paged_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, tl.float32)
     acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
+    logit_scale = scale
+    if FP8_MANTISSA > 0:  # FlashInfer's dequantization: the key scale joins the logits' scale
+        logit_scale = scale * tl.load(k_scale_ptr + kv_head)
     table_row = block_table_ptr + tl.cast(req, tl.int64) * block_table_stride
     cols = tl.arange(0, BLOCK_N)
     for tile_start in range((kv_begin // BLOCK_N) * BLOCK_N, kv_end, BLOCK_N):
@@ -203,11 +235,31 @@ def _paged_attention_kernel(
         k = tl.load(key_cache_ptr + kv_off[None, :] + dims[:, None], mask=k_mask_t, other=0.0)  # [BLOCK_D, BLOCK_N]
         v_mask = k_mask[:, None] & dim_mask[None, :]  # [BLOCK_N, BLOCK_D]
         v = tl.load(value_cache_ptr + kv_off[:, None] + dims[None, :], mask=v_mask, other=0.0)
+        if FP8_MANTISSA > 0:
+            # codes -> the values they spell (spec.fp8.decode), written out twice (K, then V): the dual-flavour
+            # kernel cannot call a jitted helper under the interpreter. An exponent field of 0 is subnormal:
+            # magnitude bits times the smallest subnormal; otherwise the fields move into float32's.
+            k_mag = k.to(tl.int32) & 0x7F
+            k_val = tl.where(
+                k_mag < (1 << FP8_MANTISSA),
+                k_mag.to(tl.float32) * FP8_SUBNORMAL,
+                ((k_mag << (23 - FP8_MANTISSA)) + ((127 - FP8_BIAS) << 23)).to(tl.float32, bitcast=True),
+            )
+            k_val = tl.where(k_mag > FP8_MAX_CODE, tl.where(k_mag == FP8_INF_CODE, float("inf"), float("nan")), k_val)
+            k = tl.where(k >= 0x80, -k_val, k_val).to(query_ptr.dtype.element_ty)
+            v_mag = v.to(tl.int32) & 0x7F
+            v_val = tl.where(
+                v_mag < (1 << FP8_MANTISSA),
+                v_mag.to(tl.float32) * FP8_SUBNORMAL,
+                ((v_mag << (23 - FP8_MANTISSA)) + ((127 - FP8_BIAS) << 23)).to(tl.float32, bitcast=True),
+            )
+            v_val = tl.where(v_mag > FP8_MAX_CODE, tl.where(v_mag == FP8_INF_CODE, float("inf"), float("nan")), v_val)
+            v = tl.where(v >= 0x80, -v_val, v_val).to(query_ptr.dtype.element_ty)
         if FP32_DOT:  # noqa: SIM108 - a statement, so both branches read alike with the second dot's
             s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
         else:
             s = tl.dot(q, k)
-        s = s * scale  # [BLOCK_M, BLOCK_N] float32
+        s = s * logit_scale  # [BLOCK_M, BLOCK_N] float32
         if USE_SOFTCAP:
             # softcap * tanh(s / softcap), written with exp(-2|x|) <= 1 so it cannot overflow
             x = s / softcap
@@ -230,6 +282,8 @@ def _paged_attention_kernel(
         m_i = m_new
 
     acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if FP8_MANTISSA > 0:  # FlashInfer's dequantization: the value scale multiplies the output
+        acc = acc * tl.load(v_scale_ptr + kv_head)
     tl.store(
         out_ptr + token[:, None] * out_stride_t + head[:, None] * out_stride_h + dims[None, :],
         acc.to(out_ptr.dtype.element_ty),
