@@ -68,17 +68,18 @@ def _stage_section(
         cells = [fmt_time(row[p].median) if p in row else "–" for p in providers]
         times.append([w, str(any_r.num_reqs), str(any_r.num_tokens), *cells])
     out += markdown_table(["workload", "reqs", "tokens", *providers], "lrr" + "r" * len(providers), times)
-    refs = {} if base is None else {p: reference_for(base, p, present) for p in providers}
-    ratio_cols = [p for p, ref in refs.items() if ref not in (None, p)]
-    if ratio_cols:
+    refs = {  # provider -> the provider its ratios divide by
+        p: ref for p in providers if base is not None and (ref := reference_for(base, p, present)) not in (None, p)
+    }
+    if refs:
         out += ["", f"Time relative to `{base}` on the same device (below 1.00× is faster than `{base}`):", ""]
         ratios = []
         for w in workloads:
             row = by_workload[w]
-            cells = [fmt_ratio(row[p].median / row[r].median) if p in row and (r := refs[p]) in row else "–"
-                     for p in ratio_cols]  # fmt: skip
+            cells = [fmt_ratio(row[p].median / row[ref].median) if p in row and ref in row else "–"
+                     for p, ref in refs.items()]  # fmt: skip
             ratios.append([w, *cells])
-        out += markdown_table(["workload", *ratio_cols], "l" + "r" * len(ratio_cols), ratios)
+        out += markdown_table(["workload", *refs], "l" + "r" * len(refs), ratios)
     flops = any(r.flops for r in results) and stage == "paged_attention"
     if not any(r.flops if flops else r.nbytes for r in results):  # no work recorded (vllm_prep): no throughput
         return [*out, ""]
