@@ -20,9 +20,11 @@ import spec
 from conformance.backends import BackendHandle
 from conformance.compare import batch_differences
 from conformance.differential import Pair, one_torch_thread
+from conformance.malformed import CHECK_ONE
+from conformance.mutations import MALFORMATIONS
 from conformance.probes import EDITS
 from spec import CachedRequest, KVCacheGroup, NewRequest, SchedulerOutput, WorkerConfig
-from spec.errors import BlockIdError, InconsistentSchedulerOutputError, ScheduleError, TokenIdError
+from spec.errors import InconsistentSchedulerOutputError, ScheduleError, TokenIdError
 from spec.types import PAD_SLOT_ID, BatchInputs
 
 # one full-attention group and one sliding-window group, block size 4 in both
@@ -178,83 +180,87 @@ def test_record_sampled_takes_only_the_batch_of_the_last_prepare(backend: Backen
     assert c.token_ids == (1, 2, 3, 4, 15)
 
 
-# ---- 4. types ------------------------------------------------------------------------------------------
-TYPES: dict[str, tuple[type[ScheduleError], str | None, str, Callable[[], SchedulerOutput]]] = {
-    "bytes req id beside str": (
-        InconsistentSchedulerOutputError, None, "req_id",
-        lambda: AnyOutput(new_requests=(AnyNew(b"a", (1,), ((9,), (10,))),),
-                                num_scheduled_tokens={b"a": 1})),
-    "int req id": (
-        InconsistentSchedulerOutputError, None, "req_id",
-        lambda: AnyOutput(new_requests=(AnyNew(7, (1,), ((9,), (10,))),),
-                                num_scheduled_tokens={7: 1})),
-    "int finished id": (
-        InconsistentSchedulerOutputError, None, "finished_req_ids",
+# ---- 4. malformed fields and containers --------------------------------------------------------------------
+# One named output per case, applied after FIRST, each tagged with its kind in conformance.mutations'
+# MALFORMATIONS (check 1's kinds are conformance.malformed.CHECK_ONE; checks 6 and 9 own the id types), which
+# gives the class refused. Kind None: no generator makes the case, so only this test does.
+MALFORMED: dict[str, tuple[str | None, str | None, str, Callable[[], SchedulerOutput]]] = {
+    "bytes req id beside str": ("non-str req id", None, "req_id",
+        lambda: AnyOutput(new_requests=(AnyNew(b"a", (1,), ((9,), (10,))),), num_scheduled_tokens={b"a": 1})),
+    "int req id": ("non-str req id", None, "req_id",
+        lambda: AnyOutput(new_requests=(AnyNew(7, (1,), ((9,), (10,))),), num_scheduled_tokens={7: 1})),
+    "int finished id": ("non-str req id", None, "finished_req_ids",
         lambda: AnyOutput(finished_req_ids=frozenset({0}))),
-    "finished ids as one str": (
-        InconsistentSchedulerOutputError, None, "finished_req_ids",
+    "finished ids as one str": ("str as finished_req_ids", None, "finished_req_ids",
         lambda: AnyOutput(finished_req_ids="a")),
-    "fractional prompt id": (
-        TokenIdError, "c", "prompt_token_ids",
-        lambda: AnyOutput(new_requests=(AnyNew("c", (1, 1.5), ((9,), (10,))),),
-                                num_scheduled_tokens={"c": 2})),
-    "whole float prompt ids": (
-        TokenIdError, "c", "prompt_token_ids",
+    "a finished id twice": ("repeated finished id", "a", "finished_req_ids",
+        lambda: AnyOutput(finished_req_ids=("a", "a"))),
+    "a new request twice": ("repeated new request", "c", "new_requests/cached_requests",
+        lambda: AnyOutput(new_requests=(AnyNew("c", (1,), ((9,), (10,))),) * 2, num_scheduled_tokens={"c": 1})),
+    "a cached request twice": ("repeated cached request", "a", "new_requests/cached_requests",
+        lambda: AnyOutput(cached_requests=(AnyCached("a", 6),) * 2, num_scheduled_tokens={"a": 1})),
+    "one id new and cached": ("new and cached", "a", "new_requests/cached_requests",
+        lambda: AnyOutput(new_requests=(AnyNew("a", (0,), ((), ())),), cached_requests=(AnyCached("a", 6),),
+                          num_scheduled_tokens={"a": 1})),
+    "fractional prompt id": ("prompt not integer ids", "c", "prompt_token_ids",
+        lambda: AnyOutput(new_requests=(AnyNew("c", (1, 1.5), ((9,), (10,))),), num_scheduled_tokens={"c": 2})),
+    "whole float prompt ids": ("prompt not integer ids", "c", "prompt_token_ids",
         lambda: AnyOutput(new_requests=(AnyNew("c", np.array([1.0, 2.0]), ((9,), (10,))),),
-                                num_scheduled_tokens={"c": 2})),
-    "nested prompt ids": (
-        TokenIdError, "c", "prompt_token_ids",
-        lambda: AnyOutput(new_requests=(AnyNew("c", ((1, 2),), ((9,), (10,))),),
-                                num_scheduled_tokens={"c": 1})),
-    "None among prompt ids": (
-        TokenIdError, "c", "prompt_token_ids",
-        lambda: AnyOutput(new_requests=(AnyNew("c", (1, None), ((9,), (10,))),),
-                                num_scheduled_tokens={"c": 2})),
-    "prompt ids as a str": (
-        TokenIdError, "c", "prompt_token_ids",
-        lambda: AnyOutput(new_requests=(AnyNew("c", "12", ((9,), (10,))),),
-                                num_scheduled_tokens={"c": 2})),
-    "fractional block id of a new request": (
-        BlockIdError, "c", "block_ids[0]",
-        lambda: AnyOutput(new_requests=(AnyNew("c", (1,), ((9.7,), (10,))),),
-                                num_scheduled_tokens={"c": 1})),
-    "whole float block id appended": (
-        BlockIdError, "a", "block_ids[1]",
-        lambda: AnyOutput(cached_requests=(AnyCached("a", 6, ((), (45.0,))),),
-                                num_scheduled_tokens={"a": 1})),
-    "block ids not per group": (
-        InconsistentSchedulerOutputError, "c", "block_ids",
-        lambda: AnyOutput(new_requests=(AnyNew("c", (1,), None),),
-                                num_scheduled_tokens={"c": 1})),
-    "bool scheduled count": (
-        InconsistentSchedulerOutputError, "a", "num_scheduled_tokens",
+                          num_scheduled_tokens={"c": 2})),
+    "nested prompt ids": ("prompt not integer ids", "c", "prompt_token_ids",
+        lambda: AnyOutput(new_requests=(AnyNew("c", ((1, 2),), ((9,), (10,))),), num_scheduled_tokens={"c": 1})),
+    "None among prompt ids": ("prompt not integer ids", "c", "prompt_token_ids",
+        lambda: AnyOutput(new_requests=(AnyNew("c", (1, None), ((9,), (10,))),), num_scheduled_tokens={"c": 2})),
+    "prompt ids as a str": ("prompt not integer ids", "c", "prompt_token_ids",
+        lambda: AnyOutput(new_requests=(AnyNew("c", "12", ((9,), (10,))),), num_scheduled_tokens={"c": 2})),
+    "fractional block id of a new request": ("block ids not integers", "c", "block_ids[0]",
+        lambda: AnyOutput(new_requests=(AnyNew("c", (1,), ((9.7,), (10,))),), num_scheduled_tokens={"c": 1})),
+    "whole float block id appended": ("block ids not integers", "a", "block_ids[1]",
+        lambda: AnyOutput(cached_requests=(AnyCached("a", 6, ((), (45.0,))),), num_scheduled_tokens={"a": 1})),
+    "block ids not per group": ("block ids not per group", "c", "block_ids",
+        lambda: AnyOutput(new_requests=(AnyNew("c", (1,), None),), num_scheduled_tokens={"c": 1})),
+    "bool scheduled count": ("bool count", "a", "num_scheduled_tokens",
         lambda: AnyOutput(cached_requests=(AnyCached("a", 6),), num_scheduled_tokens={"a": True})),
-    "float scheduled count": (
-        InconsistentSchedulerOutputError, "a", "num_scheduled_tokens",
+    "float scheduled count": ("float count", "a", "num_scheduled_tokens",
         lambda: AnyOutput(cached_requests=(AnyCached("a", 6),), num_scheduled_tokens={"a": 1.0})),
-    "float computed count": (
-        InconsistentSchedulerOutputError, "a", "num_computed_tokens",
+    "float computed count": ("float count", "a", "num_computed_tokens",
         lambda: AnyOutput(cached_requests=(AnyCached("a", 6.0),), num_scheduled_tokens={"a": 1})),
-    "bool computed count": (
-        InconsistentSchedulerOutputError, "c", "num_computed_tokens",
-        lambda: AnyOutput(new_requests=(AnyNew("c", (1,), ((9,), (10,)), False),),
-                                num_scheduled_tokens={"c": 1})),
-    "None computed count": (
-        InconsistentSchedulerOutputError, "a", "num_computed_tokens",
+    "bool computed count": ("bool count", "c", "num_computed_tokens",
+        lambda: AnyOutput(new_requests=(AnyNew("c", (1,), ((9,), (10,)), False),), num_scheduled_tokens={"c": 1})),
+    "None computed count": (None, "a", "num_computed_tokens",
         lambda: AnyOutput(cached_requests=(AnyCached("a", None),), num_scheduled_tokens={"a": 1})),
-    "int resumed flag": (
-        InconsistentSchedulerOutputError, "a", "resumed",
+    "int resumed flag": ("non-bool resumed", "a", "resumed",
         lambda: AnyOutput(cached_requests=(AnyCached("a", 0, ((41, 42), (43, 44)), 1),),
-                                num_scheduled_tokens={"a": 7})),
-}
+                          num_scheduled_tokens={"a": 7})),
+    "num_scheduled_tokens as pairs": ("items container", None, "num_scheduled_tokens",
+        lambda: AnyOutput(cached_requests=(AnyCached("a", 6),), num_scheduled_tokens=[("a", 1)])),
+    "num_scheduled_tokens as dict items": ("items container", None, "num_scheduled_tokens",
+        lambda: AnyOutput(cached_requests=(AnyCached("a", 6),), num_scheduled_tokens={"a": 1}.items())),
+    "finished_req_ids as dict keys": ("items container", None, "finished_req_ids",
+        lambda: AnyOutput(finished_req_ids={"a": 0}.keys())),
+    "new_requests as a generator": ("generator container", None, "new_requests",
+        lambda: AnyOutput(new_requests=(r for r in (AnyNew("c", (1,), ((9,), (10,))),)),
+                          num_scheduled_tokens={"c": 1})),
+    "cached_requests as a generator": ("generator container", None, "cached_requests",
+        lambda: AnyOutput(cached_requests=(r for r in (AnyCached("a", 6),)), num_scheduled_tokens={"a": 1})),
+    "new request as a tuple": (None, None, "new_requests",
+        lambda: AnyOutput(new_requests=(("c", (1,), ((9,), (10,))),), num_scheduled_tokens={"c": 1})),
+}  # fmt: skip
 
 
-@pytest.mark.parametrize("case", sorted(TYPES))
-def test_a_field_of_the_wrong_type_is_refused(backend: BackendHandle, case: str) -> None:
-    error, req_id, field, make = TYPES[case]
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_a_malformed_field_or_container_is_refused(backend: BackendHandle, case: str) -> None:
+    kind, req_id, field, make = MALFORMED[case]
+    error = InconsistentSchedulerOutputError if kind is None else MALFORMATIONS[kind][0]
     pair = _pair(backend)
     _refused(pair, lambda pool: pool.apply(make()), error, req_id, field)
     _decode_both(pair)
+
+
+def test_every_kind_of_check_one_malformation_has_a_named_case() -> None:
+    kinds = {kind for kind, *_ in MALFORMED.values() if kind is not None}
+    assert kinds <= set(MALFORMATIONS), sorted(kinds - set(MALFORMATIONS))
+    assert set(CHECK_ONE) <= kinds, f"no named case of {sorted(set(CHECK_ONE) - kinds)}"
 
 
 @pytest.mark.parametrize(
@@ -278,40 +284,6 @@ def test_sampled_ids_need_an_integer_dtype(backend: BackendHandle, sampled: Any)
     for side in (pair.ref, pair.cand):  # the same batch still takes integer ids
         side.pool.record_sampled(batches[side.handle.name], side.handle.asarray(np.array([3, 4], np.int32)))
     assert pair.ref.pool.snapshot() == pair.cand.pool.snapshot()
-    _decode_both(pair)
-
-
-# ---- 5. containers ---------------------------------------------------------------------------------------
-CONTAINERS: dict[str, tuple[str, Callable[[], SchedulerOutput]]] = {
-    "num_scheduled_tokens as pairs": (
-        "num_scheduled_tokens",
-        lambda: AnyOutput(cached_requests=(AnyCached("a", 6),), num_scheduled_tokens=[("a", 1)])),
-    "num_scheduled_tokens as dict items": (
-        "num_scheduled_tokens",
-        lambda: AnyOutput(cached_requests=(AnyCached("a", 6),),
-                                num_scheduled_tokens={"a": 1}.items())),
-    "new_requests as a generator": (
-        "new_requests",
-        lambda: AnyOutput(new_requests=(r for r in (AnyNew("c", (1,), ((9,), (10,))),)),
-                                num_scheduled_tokens={"c": 1})),
-    "cached_requests as a generator": (
-        "cached_requests",
-        lambda: AnyOutput(cached_requests=(r for r in (AnyCached("a", 6),)),
-                                num_scheduled_tokens={"a": 1})),
-    "finished_req_ids as dict keys": (
-        "finished_req_ids", lambda: AnyOutput(finished_req_ids={"a": 0}.keys())),
-    "new request as a tuple": (
-        "new_requests",
-        lambda: AnyOutput(new_requests=(("c", (1,), ((9,), (10,))),),
-                                num_scheduled_tokens={"c": 1})),
-}
-
-
-@pytest.mark.parametrize("case", sorted(CONTAINERS))
-def test_a_container_of_the_wrong_kind_is_refused(backend: BackendHandle, case: str) -> None:
-    field, make = CONTAINERS[case]
-    pair = _pair(backend)
-    _refused(pair, lambda pool: pool.apply(make()), InconsistentSchedulerOutputError, None, field)
     _decode_both(pair)
 
 
@@ -374,7 +346,7 @@ def test_pad_to_that_is_not_an_integer_at_least_the_tokens_is_refused(backend: B
     pair.run_step(out, None, _ones)  # prepare with a valid pad_to still works (apply again: same state)
 
 
-# ---- 6. an output is frozen at apply ----------------------------------------------------------------------
+# ---- 5. an output is frozen at apply ----------------------------------------------------------------------
 @pytest.mark.parametrize("mutation", sorted(EDITS))
 def test_mutating_the_output_after_apply_changes_nothing(backend: BackendHandle, mutation: str) -> None:
     """conformance.probes' edits of num_scheduled_tokens (the ones the probed differential runs make at random)."""
