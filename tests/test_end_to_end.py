@@ -175,6 +175,25 @@ def test_verifier_flags_a_backend_that_drifts_from_spec() -> None:
     assert not verifier.all_matched and "logits differ from spec" in verifier.mismatches[0]
 
 
+class _ShiftedInputIds(spec.RequestStatePool):
+    def prepare(self, sched: SchedulerOutput, pad_to: int | None = None) -> BatchInputs:
+        batch = super().prepare(sched, pad_to)
+        return dataclasses.replace(batch, input_ids=(np.asarray(batch.input_ids) + 1) % SCHED_CONFIG.vocab_size)
+
+
+def test_verifier_names_the_batch_field_that_differs_from_spec() -> None:
+    """Control: a backend whose prepare shifts every input id is reported field by field, with the entries."""
+    shifted = BackendHandle("shifted", SimpleNamespace(
+        RequestStatePool=_ShiftedInputIds, write_kv=spec.write_kv, paged_attention=spec.paged_attention,
+    ))  # fmt: skip
+    workload = make_workload(0, SCHED_CONFIG, num_requests=2, max_arrival_step=1, max_prompt_len=12, max_new_tokens=2)
+    engine = Engine(shifted, SCHED_CONFIG, SCHED_MODEL)
+    verifier = SpecVerifier(engine, every=1)
+    drive(engine, ReferenceScheduler(SCHED_CONFIG, workload, knobs=SCHED_KNOBS), observer=verifier)
+    first = verifier.mismatches[0]
+    assert first.startswith("step 1: BatchInputs differs from spec's: input_ids: ") and "entries differ" in first
+
+
 class _NoisyOracle:
     """A drafter that is sometimes right: the plain run's next tokens, each replaced by another with chance 1/3."""
 

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
-from conformance.compare import array_difference
+import spec
+from conformance.backends import BackendHandle
+from conformance.compare import array_difference, entries_difference
+from conformance.examples import worked_example
 
 
 def test_only_the_differing_entries_are_shown() -> None:
@@ -23,6 +28,24 @@ def test_many_differences_are_counted_not_listed() -> None:
     assert report.endswith("(and 992 more)") and len(report) < 400
 
 
+def test_the_shadow_checker_names_its_entries_and_its_reference() -> None:
+    """shadow_compare's per-request details: `its token 1`, spec as the reference, both heads on a shape."""
+    want = np.array([5, 6, 7])
+    assert entries_difference(want, np.array([5, 9, 7]), "its token", "spec") == (
+        "1 of 3 entries differ: its token 1: got 9, spec 6"
+    )
+    assert entries_difference(want, np.array([5, 6]), "its token", "spec") == "shape (2,) [5, 6], spec (3,) [5, 6, 7]"
+
+
 def test_equal_arrays_report_nothing() -> None:
     want = np.arange(5)
     assert array_difference("seq_lens", want, want.copy()) == ""
+
+
+def test_the_compared_form_holds_every_batch_field() -> None:
+    """batch_to_numpy is what every comparer reads: a BatchInputs field it leaves out is never compared."""
+    ex = worked_example()
+    pool = spec.RequestStatePool(ex.config)
+    pool.apply(ex.step1)
+    compared = BackendHandle("spec", spec).batch_to_numpy(pool.prepare(ex.step1))
+    assert set(compared) == {f.name for f in dataclasses.fields(spec.BatchInputs)}
