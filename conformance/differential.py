@@ -21,11 +21,12 @@ from typing import Any
 import numpy as np
 
 import spec
-from conformance.backends import BackendHandle
+from conformance.backends import BackendHandle, cross_attention_of
 from conformance.compare import batch_differences
 from conformance.scenario import AttentionSpec, Scenario
 from conformance.scheduler import ReferenceScheduler
 from conformance.tolerance import assert_attention_close, spec_in_dtype
+from spec.encoder_attention import cross_attention as spec_cross_attention
 from spec.errors import ScheduleError
 from spec.types import PLACEHOLDER_TOKEN_ID, BatchInputs, PoolSnapshot, SchedulerOutput, WorkerConfig
 
@@ -71,6 +72,8 @@ class _Side:
         if attention is not None:
             for g in config.kv_groups:
                 shape = (g.num_blocks, g.block_size, attention.num_kv_heads, attention.head_dim)
+                if g.kind == "mamba":  # holds states, not KV (spec/mamba.py): no cache to compare
+                    shape = (1, 1, attention.num_kv_heads, attention.head_dim)
                 self.caches.append(
                     (handle.asarray(np.zeros(shape, attention.dtype)), handle.asarray(np.zeros(shape, attention.dtype)))
                 )
@@ -146,6 +149,11 @@ class Pair:
         assert att is not None
         num_tokens, padded = ref_batch.num_tokens, ref_batch.num_tokens_padded
         for g, group in enumerate(self.config.kv_groups):
+            if group.kind == "cross_attention":  # the encoder's KV, written once, read whole
+                self.compare_cross_attention(g, ref_batch, cand_batch)
+                continue
+            if group.kind == "mamba":  # its state indices are compared with the batch; the state is the model's
+                continue
             kv_shape = (padded, att.num_kv_heads, att.head_dim)
             key = self.kv_rng.standard_normal(kv_shape).astype(att.dtype)
             value = self.kv_rng.standard_normal(kv_shape).astype(att.dtype)
@@ -189,6 +197,49 @@ class Pair:
                 assert_attention_close(got[:num_tokens], ref64[:num_tokens], low[:num_tokens], att.dtype)
             except AssertionError as exc:
                 raise MismatchError(f"paged_attention[{g}] (window {group.sliding_window}): {exc}") from exc
+
+    def compare_cross_attention(self, g: int, ref_batch: BatchInputs, cand_batch: BatchInputs) -> None:
+        """Group g holds the encoder's KV (spec/cross_attention.py): random encoder keys and values go in through
+        cross_slot_mapping, then both backends' cross_attention reads them for the decoder's queries."""
+        att = self.attention
+        assert att is not None
+        num_tokens, padded = ref_batch.num_tokens, ref_batch.num_tokens_padded
+        encoder_tokens = len(ref_batch.cross_slot_mapping)
+        kv_shape = (encoder_tokens, att.num_kv_heads, att.head_dim)
+        key = self.kv_rng.standard_normal(kv_shape).astype(att.dtype)
+        value = self.kv_rng.standard_normal(kv_shape).astype(att.dtype)
+        query = self.kv_rng.standard_normal((padded, att.num_heads, att.head_dim)).astype(att.dtype)
+        (rk, rv), (ck, cv) = self.ref.caches[g], self.cand.caches[g]
+        spec.write_kv(rk, rv, key, value, ref_batch.cross_slot_mapping)
+        to = self.cand.handle.asarray
+        try:
+            self.cand.handle.module.write_kv(ck, cv, to(key), to(value), cand_batch.cross_slot_mapping)
+        except Exception as exc:
+            raise MismatchError(f"write_kv[{g}] (encoder): candidate raised {exc!r}") from exc
+        for which, r, c in (("key", rk, ck), ("value", rv, cv)):
+            if not np.array_equal(self.cand.handle.to_numpy(c), r):
+                raise MismatchError(f"write_kv[{g}] (encoder): {which} cache differs")
+        cross = cross_attention_of(self.cand.handle)
+        if cross is None:
+            return  # a third-party backend without cross-attention: its slots are compared above
+        table, lens, qsl = ref_batch.block_tables[g], ref_batch.encoder_seq_lens, ref_batch.query_start_loc
+        q64, k64, v64 = (np.asarray(a, np.float64) for a in (query, rk, rv))
+        ref64 = spec_cross_attention(q64, k64, v64, table, lens, qsl, scale=att.scale)
+        low = spec_in_dtype(spec_cross_attention, att.dtype, (query, rk, rv), table, lens, qsl, scale=att.scale)
+        try:
+            out = cross(
+                to(query), ck, cv, cand_batch.block_tables[g], cand_batch.encoder_seq_lens,
+                cand_batch.query_start_loc, scale=att.scale,
+            )  # fmt: skip
+        except Exception as exc:
+            raise MismatchError(f"cross_attention[{g}]: candidate raised {exc!r}") from exc
+        got = np.asarray(self.cand.handle.to_numpy(out), np.float64)
+        if got.shape != ref64.shape or np.any(got[num_tokens:] != 0):
+            raise MismatchError(f"cross_attention[{g}]: shape {got.shape} or nonzero padding rows {num_tokens}..")
+        try:
+            assert_attention_close(got[:num_tokens], ref64[:num_tokens], low[:num_tokens], att.dtype)
+        except AssertionError as exc:
+            raise MismatchError(f"cross_attention[{g}]: {exc}") from exc
 
     # ---- invalid steps ----------------------------------------------------------------------
     def reject(self, out: SchedulerOutput, expected: type[ScheduleError] | None) -> type[ScheduleError]:

@@ -24,7 +24,11 @@ from typing import Any
 import numpy as np
 
 from conformance.malformed import CHECK_ONE, edit
+from conformance.malformed_mrope import MROPE_MALFORMATIONS
 from conformance.mutations_drafts import draft_fault_or
+from conformance.mutations_mamba import mamba_fault_or, resumable
+from conformance.mutations_encoder import cross_block_fault, encoder_length_fault, malformed_encoder_len
+from spec.cross_attention import cross_group
 from spec.errors import (
     ALL_ERRORS,
     BlockIdError,
@@ -129,6 +133,8 @@ class _Ctx:
     def written_blocks(self, g: int) -> set[int]:
         """Blocks of group g that some scheduled token of `out` writes."""
         bs = self.config.kv_groups[g].block_size
+        if g == cross_group(self.config):  # the encoder's blocks: every one a scheduled request holds
+            return {b for r in self.reqs for b in r.tables[g]}
         return {r.tables[g][p // bs] for r in self.reqs for p in range(r.num_computed, r.last + 1)}
 
 
@@ -283,9 +289,12 @@ def _malformed_prompt(ctx: _Ctx) -> SchedulerOutput | None:
 
 def _model_length(ctx: _Ctx) -> SchedulerOutput | None:
     out, limit = ctx.out, ctx.config.max_model_len
+    if out.new_requests and ctx.rng.random() < 0.3:  # the encoder's length (spec/cross_attention.py)
+        return encoder_length_fault(out, ctx.config, ctx.rng)
     if out.new_requests and ctx.rng.random() < 0.5:
         new = ctx.rng.choice(out.new_requests)
-        return _replace_new(out, new.req_id, prompt_token_ids=(0,) * (limit + 1))
+        too_long = {"prompt_token_ids": (0,) * (limit + 1), "mrope_positions": None, "mrope_position_delta": 0}
+        return _replace_new(out, new.req_id, **too_long)  # a text request: a table would no longer fit its prompt
     r = ctx.pick(ctx.reqs)
     if r is None:
         return None
@@ -314,7 +323,7 @@ def _block_id(ctx: _Ctx) -> SchedulerOutput | None:
     options: list[Any] = [group.num_blocks, group.num_blocks + 3, -1, 2**63]  # out of range
     if real:
         options.append(ctx.rng.choice(real))  # repeated in one table
-    if group.sliding_window is None:
+    if group.sliding_window is None and group.kind != "mamba":  # a mamba table may hold nulls (spec/mamba.py)
         options.append(NULL_BLOCK_ID)  # the null block where no window allows it
     table.insert(ctx.rng.randint(first, len(table)), ctx.rng.choice(options))
     return _with_tables(ctx.out, r.req_id, [table if i == g else t for i, t in enumerate(r.tables)])
@@ -385,17 +394,20 @@ def _table_overflow(ctx: _Ctx) -> SchedulerOutput | None:
 
 
 def _missing_block(ctx: _Ctx) -> SchedulerOutput | None:
+    cross = cross_group(ctx.config)
+    if cross is not None and ctx.rng.random() < 0.5:  # the encoder's blocks (spec/cross_attention.py)
+        return cross_block_fault(ctx.out, ctx.config, ctx.rows, ctx.rng)
     r = ctx.pick(ctx.reqs)
     if r is None:
         return None
-    g = ctx.rng.randrange(ctx.num_groups)
+    g = ctx.rng.choice([g for g in range(ctx.num_groups) if g != cross])
     keep = r.last // ctx.config.kv_groups[g].block_size  # the last written position's block goes
     return _with_tables(ctx.out, r.req_id, [t[:keep] if i == g else t for i, t in enumerate(r.tables)])
 
 
 def _null_block(ctx: _Ctx) -> SchedulerOutput | None:
     windows = [g for g, group in enumerate(ctx.config.kv_groups) if group.sliding_window is not None]
-    r = ctx.pick(ctx.reqs)
+    r = ctx.pick([r for r in ctx.reqs if resumable(ctx.config, r.num_computed, r.is_new)])  # keeps mamba reads
     if r is None or not windows:
         return None
     g = ctx.rng.choice(windows)
@@ -408,14 +420,16 @@ def _null_block(ctx: _Ctx) -> SchedulerOutput | None:
 
 def _duplicate_slot(ctx: _Ctx) -> SchedulerOutput | None:
     """Point a second writer at a slot some scheduled token already writes."""
-    g = ctx.rng.randrange(ctx.num_groups)
+    cross = cross_group(ctx.config)
+    kinds = ctx.config.kv_groups  # decoder tokens write no cross slot; a mamba group's faults are its own
+    g = ctx.rng.choice([g for g in range(ctx.num_groups) if g != cross and kinds[g].kind != "mamba"])
     bs = ctx.config.kv_groups[g].block_size
     writers = ctx.rng.sample(ctx.reqs, len(ctx.reqs))
     for a in writers:
         pos_a = ctx.rng.randint(a.num_computed, a.last)
         block_a, offset = a.tables[g][pos_a // bs], pos_a % bs
         for b in writers:
-            if b is a:
+            if b is a or not resumable(ctx.config, b.num_computed, b.is_new):  # a resumed table keeps mamba reads
                 continue
             positions = [p for p in range(b.num_computed, b.last + 1) if p % bs == offset]
             if not positions:
@@ -443,7 +457,10 @@ def _duplicate_slot(ctx: _Ctx) -> SchedulerOutput | None:
         if found is None:
             return None
         tables.append(tuple(found))
-    return _add_new(ctx.out, NewRequest(ctx.fresh_id("dup"), (0,) * (offset + 1), tuple(tables)), offset + 1)
+    encoder_len = 0 if cross is None else min(len(tables[cross]) * ctx.config.kv_groups[cross].block_size,
+                                              ctx.config.max_encoder_len)  # fmt: skip
+    dup = NewRequest(ctx.fresh_id("dup"), (0,) * (offset + 1), tuple(tables), encoder_len=encoder_len)
+    return _add_new(ctx.out, dup, offset + 1)
 
 
 BREAKERS: dict[type[ScheduleError], Callable[[_Ctx], SchedulerOutput | None]] = {
@@ -466,6 +483,14 @@ assert set(BREAKERS) == set(ALL_ERRORS), "every error class needs a way to provo
 
 def _check_one(name: str) -> Callable[[_Ctx], SchedulerOutput | None]:
     return lambda ctx: CHECK_ONE[name](ctx.out, list(ctx.rows), ctx.rng)
+
+
+def _mrope_fault(name: str) -> Callable[[_Ctx], SchedulerOutput | None]:
+    return lambda ctx: MROPE_MALFORMATIONS[name](ctx.out, ctx.config, ctx.rng)
+
+
+def _encoder_len_fault(ctx: _Ctx) -> SchedulerOutput | None:
+    return malformed_encoder_len(ctx.out, ctx.config, ctx.rng)
 
 
 def _repeated_block_in_table(ctx: _Ctx) -> SchedulerOutput | None:
@@ -491,6 +516,8 @@ MALFORMATIONS: dict[str, tuple[type[ScheduleError], Callable[[_Ctx], SchedulerOu
     "block ids not integers": (BlockIdError, _malformed_block_id),
     "repeated block in a table": (BlockIdError, _repeated_block_in_table),
     "repeated block appended": (BlockIdError, _repeated_block_appended),
+    **{name: (InconsistentSchedulerOutputError, _mrope_fault(name)) for name in MROPE_MALFORMATIONS},
+    "encoder_len not an integer >= 0": (InconsistentSchedulerOutputError, _encoder_len_fault),
 }
 
 
@@ -514,7 +541,13 @@ def break_output(
 ) -> tuple[SchedulerOutput, type[ScheduleError]] | None:
     """A fault of class `cls` in `out`: a draft fault (conformance/mutations_drafts.py) part of the time, else
     one of BREAKERS."""
-    return draft_fault_or(_plain_fault, cls, out, config, snapshot, rng)
+    return draft_fault_or(_plain_or_mamba_fault, cls, out, config, snapshot, rng)
+
+
+def _plain_or_mamba_fault(
+    cls: type[ScheduleError], out: SchedulerOutput, config: WorkerConfig, snapshot: PoolSnapshot, rng: random.Random
+) -> tuple[SchedulerOutput, type[ScheduleError]] | None:
+    return mamba_fault_or(_plain_fault, cls, out, config, snapshot, rng)  # conformance/mutations_mamba.py
 
 
 def _plain_fault(

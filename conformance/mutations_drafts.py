@@ -155,10 +155,13 @@ def _unknown_token(ctx: _Ctx) -> SchedulerOutput | None:
 def _missing_block(ctx: _Ctx) -> SchedulerOutput | None:
     """More drafts than the request's blocks hold (the blocks a scheduler forgot to allocate for its drafts)."""
     limit = ctx.config.max_model_len
+    if any(g.kind == "mamba" for g in ctx.config.kv_groups):  # more drafts than speculative blocks: check 10 first
+        return None
     for r in ctx.rng.sample(ctx.reqs, len(ctx.reqs)):
         if not r.reaches_end:
             continue
-        covered = min(len(t) * g.block_size for t, g in zip(r.tables, ctx.config.kv_groups, strict=True))
+        groups = zip(r.tables, ctx.config.kv_groups, strict=True)  # the decoder's: drafts write no cross block
+        covered = min(len(t) * g.block_size for t, g in groups if g.kind != "cross_attention")
         extra = covered + 1 - r.end  # the last draft at the first position without a block
         if 0 < extra <= ctx.spare_budget and covered + 1 <= limit:
             drafts = (*r.drafts, *(ctx.token() for _ in range(extra)))

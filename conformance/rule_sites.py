@@ -18,7 +18,8 @@ from pathlib import Path
 import spec
 
 SPEC_DIR = Path(spec.__file__).resolve().parent
-SITE_FILES = ("validate.py", "drafts.py", "pool.py")  # the files whose raises are acceptance rules
+# the files whose raises are acceptance rules
+SITE_FILES = ("validate.py", "drafts.py", "pool.py", "mrope.py", "cross_attention.py", "mamba.py")
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from conformance.rule_sites import Site
 from conformance.seeded import Sampled
+from spec.cross_attention import cross_group
 from spec.types import NULL_BLOCK_ID, RowSnapshot, SchedulerOutput, WorkerConfig
 
 EVERY_STEP = "every step"
@@ -126,7 +127,8 @@ def _writes_the_last_entry(config: WorkerConfig, rows: Mapping[str, RowSnapshot]
     computed = _computed(out)
     for req_id, tables in _tables_after(out, rows, len(config.kv_groups)).items():
         last = computed[req_id] + out.num_scheduled_tokens[req_id] - 1
-        if any(last // g.block_size == len(tables[i]) - 1 for i, g in enumerate(config.kv_groups)):
+        decoder = [(i, g) for i, g in enumerate(config.kv_groups) if g.kind != "cross_attention"]  # positions' tables
+        if any(last // g.block_size == len(tables[i]) - 1 for i, g in decoder):
             return True
     return False
 
@@ -145,6 +147,8 @@ def _shared_block_written(config: WorkerConfig, rows: Mapping[str, RowSnapshot],
     """A request writes a block another request's table holds too (a prefix-cache hit recomputing its last token)."""
     computed, tables = _computed(out), _tables_after(out, rows, len(config.kv_groups))
     for g, group in enumerate(config.kv_groups):
+        if group.kind == "cross_attention":  # decoder tokens write none of its blocks
+            continue
         held: dict[int, set[str]] = {}
         for row in rows.values():
             for b in row.block_ids[g]:
@@ -169,6 +173,53 @@ def _finished_and_new(config: WorkerConfig, rows: Mapping[str, RowSnapshot], out
     return bool(out.finished_req_ids) and bool(out.new_requests)
 
 
+def _new_multimodal_request(config: WorkerConfig, rows: Mapping[str, RowSnapshot], out: SchedulerOutput) -> bool:
+    return any(r.mrope_positions is not None for r in out.new_requests)
+
+
+def _encoder_len_at_max(config: WorkerConfig, rows: Mapping[str, RowSnapshot], out: SchedulerOutput) -> bool:
+    return any(config.max_encoder_len and r.encoder_len == config.max_encoder_len for r in out.new_requests)
+
+
+def _cross_table_exact(config: WorkerConfig, rows: Mapping[str, RowSnapshot], out: SchedulerOutput) -> bool:
+    g = cross_group(config)
+    if g is None:
+        return False
+    size = config.kv_groups[g].block_size
+    return any(len(r.block_ids[g]) == -(-r.encoder_len // size) for r in out.new_requests)
+
+
+def _encoder_resumed_from_zero(config: WorkerConfig, rows: Mapping[str, RowSnapshot], out: SchedulerOutput) -> bool:
+    return cross_group(config) is not None and _resumed_from_zero(config, rows, out)
+
+
+def _hybrid_step(config: WorkerConfig, rows: Mapping[str, RowSnapshot], out: SchedulerOutput) -> bool:
+    return bool(out.num_scheduled_tokens) and any(g.kind == "mamba" for g in config.kv_groups)
+
+
+def _mamba_continuing(config: WorkerConfig, rows: Mapping[str, RowSnapshot], out: SchedulerOutput) -> bool:
+    """A continuing request of a hybrid model past its first token: it reads the state its last step kept."""
+    return _hybrid_step(config, rows, out) and any(not c.resumed and c.num_computed_tokens for c in out.cached_requests)
+
+
+def _mamba_drafts_at_capacity(config: WorkerConfig, rows: Mapping[str, RowSnapshot], out: SchedulerOutput) -> bool:
+    spec_blocks = [g.num_speculative_blocks for g in config.kv_groups if g.kind == "mamba"]
+    return any(len(d) == s for d in out.scheduled_spec_decode_tokens.values() for s in spec_blocks if d)
+
+
+def _mamba_last_entry_written(config: WorkerConfig, rows: Mapping[str, RowSnapshot], out: SchedulerOutput) -> bool:
+    """A step whose last state (its last draft's, or its own) lands in its mamba table's last entry."""
+    tables, computed = _tables_after(out, rows, len(config.kv_groups)), _computed(out)
+    for g, group in enumerate(config.kv_groups):
+        if group.kind != "mamba":
+            continue
+        for req_id, n in out.num_scheduled_tokens.items():
+            k = len(out.scheduled_spec_decode_tokens.get(req_id, ()))
+            if (computed[req_id] + n - 1) // group.block_size + k == len(tables[req_id][g]) - 1:
+                return True
+    return False
+
+
 VALID_EDGES: dict[str, Edge] = {
     "the step uses the whole token budget": _budget_full,
     "every row is held after the step": _pool_full,
@@ -186,6 +237,14 @@ VALID_EDGES: dict[str, Edge] = {
     "a resumed request starting from 0": _resumed_from_zero,
     "a request scheduled for one token": _one_token_scheduled,
     "finished and new requests in one step": _finished_and_new,
+    "a new request with an M-RoPE table": _new_multimodal_request,
+    "an encoder_len of max_encoder_len": _encoder_len_at_max,
+    "a cross table of exactly cdiv(encoder_len, block_size) blocks": _cross_table_exact,
+    "an encoder-decoder request resumed from 0 (its encoder runs again)": _encoder_resumed_from_zero,
+    "a step of a hybrid model (a mamba group)": _hybrid_step,
+    "a hybrid model's continuing request, reading its last step's state": _mamba_continuing,
+    "as many drafts as the mamba group keeps speculative blocks": _mamba_drafts_at_capacity,
+    "a step writing its mamba table's last entry": _mamba_last_entry_written,
 }
 
 SampledEdge = Callable[[Sampled, WorkerConfig], bool]
@@ -220,6 +279,10 @@ SAMPLED_EDGES: dict[str, SampledEdge] = {
 }
 
 V, D, P = "validate.py", "drafts.py", "pool.py"
+C = "cross_attention.py"
+M, MAMBA_TESTS = "mamba.py", "conformance/test_mamba.py"
+R, MROPE = "mrope.py", "conformance/test_mrope.py"
+MROPE_REFUSED = "test_bad_mrope_inputs_are_refused_and_change_nothing"
 IP = "conformance/test_input_policy.py"
 RULES: tuple[Rule, ...] = (
     # check 1, the output's own fields (spec/validate.py _check_containers)
@@ -276,6 +339,17 @@ RULES: tuple[Rule, ...] = (
          EVERY_STEP, GENERATED, (MALFORMATIONS,)),
     Rule(V, "_check_consistency", '"new_block_ids", f"', "new_block_ids has an entry per group",
          EVERY_STEP, f"{IP}::test_a_field_of_the_wrong_type_is_refused", (IP,)),
+    # check 1, M-RoPE inputs of new requests (spec/mrope.py check_mrope_inputs)
+    Rule(R, "check_mrope_inputs", "the model does not use M-RoPE", "tables and deltas only on a model with M-RoPE",
+         EVERY_STEP, GENERATED, (MALFORMATIONS, f"{MROPE}::{MROPE_REFUSED}")),
+    Rule(R, "check_mrope_inputs", "needs an integer with |delta|", "the delta is an integer, |delta| < 2**62",
+         "a new request with an M-RoPE table", GENERATED, (MALFORMATIONS, f"{MROPE}::{MROPE_REFUSED}")),
+    Rule(R, "check_mrope_inputs", "without a position table", "a text request has no delta",
+         EVERY_STEP, GENERATED, (MALFORMATIONS, f"{MROPE}::{MROPE_REFUSED}")),
+    Rule(R, "check_mrope_inputs", "table of integer positions", "a table is 3 rows of integer positions",
+         "a new request with an M-RoPE table", GENERATED, (MALFORMATIONS, f"{MROPE}::{MROPE_REFUSED}")),
+    Rule(R, "check_mrope_inputs", "columns for a prompt of", "a table has one column per prompt token",
+         "a new request with an M-RoPE table", GENERATED, (MALFORMATIONS, f"{MROPE}::{MROPE_REFUSED}")),
     # checks 2-8 (spec/validate.py plan_step)
     Rule(V, "plan_step", '"finished_req_ids", "request holds no row"', "a finished request holds a row",
          "finished and new requests in one step", GENERATED, (EVERY_CLASS,)),
@@ -324,6 +398,32 @@ RULES: tuple[Rule, ...] = (
          (EVERY_CLASS, f"{BOUNDARIES}::test_a_null_placeholder_appended_by_a_continuing_request_is_never_written")),
     Rule(V, "_check_unique_slots", "DuplicateSlotError", "no two tokens of a step write one slot",
          "a block another request holds, written", GENERATED, (EVERY_CLASS,)),
+    # encoder-decoder requests (spec/cross_attention.py), at checks 1, 7 and 11
+    Rule(C, "check_encoder_fields", '"encoder_len", detail', "encoder_len is an integer >= 0",
+         EVERY_STEP, GENERATED, (MALFORMATIONS,)),
+    Rule(C, "check_encoder_len", "no cross_attention group", "no encoder output on a model without a cross group",
+         EVERY_STEP, GENERATED, (EVERY_CLASS,)),
+    Rule(C, "check_encoder_len", "not in [1, max_encoder_len", "1 <= encoder_len <= max_encoder_len with one",
+         "an encoder_len of max_encoder_len", GENERATED, (EVERY_CLASS,)),
+    Rule(C, "check_cross_blocks", "encoder tokens need", "cdiv(encoder_len, block_size) cross blocks",
+         "a cross table of exactly cdiv(encoder_len, block_size) blocks", GENERATED, (EVERY_CLASS,)),
+    Rule(C, "check_cross_blocks", "written at position 0 only", "new cross blocks only on a step from position 0",
+         "an encoder-decoder request resumed from 0 (its encoder runs again)", GENERATED, (EVERY_CLASS,)),
+    # mamba state groups (spec/mamba.py), at checks 9-12 (check 13's site is _check_unique_slots')
+    Rule(M, "check_ids", "appears twice", "a mamba table's non-null ids are distinct (null entries allowed)",
+         "a step of a hybrid model (a mamba group)", GENERATED, (MALFORMATIONS, MAMBA_TESTS)),
+    Rule(M, "check_drafts", "BlockTableOverflowError(req_id", "at most num_speculative_blocks drafts",
+         "as many drafts as the mamba group keeps speculative blocks", GENERATED, (EVERY_CLASS, MAMBA_TESTS)),
+    Rule(M, "check_present", '"num_computed_tokens"', "the state after position num_computed - 1 was kept",
+         "a hybrid model's continuing request, reading its last step's state", GENERATED,
+         (EVERY_CLASS, MAMBA_TESTS)),
+    Rule(M, "check_present", 'f"block_ids[{g}]", detail', "the table reaches the read state and the last draft's",
+         "a step writing its mamba table's last entry", GENERATED, (EVERY_CLASS, MAMBA_TESTS)),
+    Rule(M, "check_not_null", "the state read", "the state read is not the null block",
+         "a hybrid model's continuing request, reading its last step's state", GENERATED,
+         (EVERY_CLASS, MAMBA_TESTS)),
+    Rule(M, "check_not_null", "the state written", "no state is written to the null block",
+         "a step of a hybrid model (a mamba group)", GENERATED, (EVERY_CLASS, MAMBA_TESTS)),
     # record_sampled (spec/pool.py, spec/drafts.py)
     Rule(P, "record_sampled", '"batch", detail', "only the batch of the last prepare",
          EVERY_STEP, GENERATED,

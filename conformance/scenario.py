@@ -11,6 +11,9 @@ import random
 from dataclasses import dataclass, replace
 
 from conformance.scheduler import SchedulerKnobs, Workload, make_workload
+from conformance.scheduler.encoder import ENCODER_DECODER_SHARE, with_encoder
+from conformance.scheduler.mamba import MAMBA_SHARE, with_mamba_group
+from conformance.scheduler.mrope import with_position_tables
 from spec.types import KVCacheGroup, WorkerConfig
 
 BLOCK_SIZES = (1, 2, 3, 4, 5, 7, 8, 12, 16, 17, 24, 31, 32, 48, 63, 64)  # powers of two and not
@@ -21,6 +24,7 @@ MAX_BLOCKS = 1 << 31  # block ids are int32 (spec.types.BLOCK_ID_DTYPE)
 ATTENTION_DTYPES = ("float32", "float16")
 SPEC_TOKENS = (0, 0, 1, 2, 3, 5)  # most drafts per request per step; 0 (no speculative decoding) a third of the time
 ACCEPTANCE_RATES = (0.0, 0.5, 0.8, 1.0)
+MROPE_SHARE = 0.3  # of the scenarios, the share whose model uses M-RoPE (and whose requests carry tables)
 
 
 @dataclass(frozen=True)
@@ -60,10 +64,14 @@ def cache_elements(config: WorkerConfig, attention: AttentionSpec) -> int:
     return sum(g.num_blocks * g.block_size for g in config.kv_groups) * attention.num_kv_heads * attention.head_dim
 
 
-def random_scenario(seed: int, spec_decode: bool = False) -> Scenario:
+def random_scenario(
+    seed: int, spec_decode: bool = False, encoder_decoder: bool = False, hybrid: bool = False
+) -> Scenario:
     """The scenario of `seed`; with `spec_decode` its scheduler also drafts (speculative decoding), in the
     same ranges as conformance.strategies. Without, a seed gives the scenario it gave before drafts existed,
-    for code that speaks only plain decoding (the vLLM conversion, the shadow checker's engine)."""
+    for code that speaks only plain decoding (the vLLM conversion, the shadow checker's engine). With
+    `encoder_decoder`, some seeds' models are encoder-decoders (conformance/scheduler/encoder.py); with `hybrid`,
+    some seeds' models have a mamba group too (conformance/scheduler/mamba.py)."""
     rng = random.Random(seed)
     max_model_len = rng.randint(2, MAX_MODEL_LEN)
     max_num_reqs = rng.randint(1, 8)
@@ -112,4 +120,17 @@ def random_scenario(seed: int, spec_decode: bool = False) -> Scenario:
         knobs = replace(knobs, spec_tokens=spec_tokens, acceptance_rate=acceptance_rate,
                         drafts_on_admission=rng.random() < 0.5)  # fmt: skip
     knobs = replace(knobs, null_lookahead=rng.random() < 0.5)  # drawn last: earlier seeds' draws stay as they were
+    if rng.random() < MROPE_SHARE:  # a multimodal model (spec/mrope.py): position tables on some requests
+        config = replace(config, uses_mrope=True)
+        workload = with_position_tables(workload, rng.randrange(2**32))
+    if encoder_decoder:  # its own random source: the draws above are the seed's with or without it
+        encoder_rng = random.Random(f"encoder-decoder {seed}")
+        if encoder_rng.random() < ENCODER_DECODER_SHARE:  # spec/cross_attention.py
+            config, workload = with_encoder(config, workload, encoder_rng)
+            if attention is not None and cache_elements(config, attention) > KV_CACHE_ELEMENT_LIMIT:
+                attention = None
+    if hybrid:  # its own random source too
+        hybrid_rng = random.Random(f"hybrid {seed}")
+        if hybrid_rng.random() < MAMBA_SHARE:  # spec/mamba.py
+            config = with_mamba_group(config, knobs, hybrid_rng)
     return Scenario(config, workload, knobs, attention, scenario_seed)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import replace
 
 from hypothesis import strategies as st
 
@@ -26,6 +27,9 @@ from conformance.scenario import (
 )
 from conformance.scheduler import RequestShape, SchedulerKnobs, Workload, WorkloadShape, build_workload
 from conformance.scheduler.allocator import ALLOCATION_ORDERS
+from conformance.scheduler.encoder import with_encoder
+from conformance.scheduler.mamba import with_mamba_group
+from conformance.scheduler.mrope import with_position_tables
 from spec.errors import ALL_ERRORS, ScheduleError
 from spec.types import KVCacheGroup, WorkerConfig
 
@@ -128,10 +132,19 @@ def scenarios(
     max_requests: int = 12,
     allow_huge: bool = True,
     max_model_len: int = MAX_MODEL_LEN,
+    encoder_decoder: bool = True,
+    hybrid: bool = True,
 ) -> Scenario:
     config = draw(configs(max_groups, allow_huge, max_model_len))
     workload = draw(workloads(config, max_requests))
+    if draw(st.booleans()):  # a multimodal model (spec/mrope.py): position tables on some requests
+        config = replace(config, uses_mrope=True)
+        workload = with_position_tables(workload, draw(st.integers(0, 2**32 - 1)))
+    if encoder_decoder and draw(st.integers(0, 2)) == 0:  # an encoder-decoder model (spec/cross_attention.py)
+        config, workload = with_encoder(config, workload, random.Random(draw(st.integers(0, 2**32 - 1))))
     knobs = draw(scheduler_knobs(config))
+    if hybrid and draw(st.integers(0, 2)) == 0:  # a hybrid model: a mamba group too (spec/mamba.py)
+        config = with_mamba_group(config, knobs, random.Random(draw(st.integers(0, 2**32 - 1))))
     attention: AttentionSpec | None = draw(attention_specs())
     if attention is not None and cache_elements(config, attention) > KV_CACHE_ELEMENT_LIMIT:
         attention = None

@@ -34,9 +34,11 @@ from collections.abc import Mapping, Sequence
 from conformance.scheduler.allocator import BlockAllocator
 from conformance.scheduler.drafter import Drafter, Proposer
 from conformance.scheduler.knobs import SchedulerKnobs
+from conformance.scheduler.mamba import caches_states, chunk_limit, speculative_blocks
 from conformance.scheduler.request import SchedRequest, Status
 from conformance.scheduler.stats import SchedulerStats
 from conformance.scheduler.workload import Workload
+from spec.cross_attention import cross_group
 from spec.types import NULL_BLOCK_ID, CachedRequest, NewRequest, RowSnapshot, SchedulerOutput, WorkerConfig
 
 
@@ -53,6 +55,7 @@ class ReferenceScheduler:
         self.knobs = knobs = knobs or SchedulerKnobs()
         self.rng = random.Random(seed)
         self.groups = config.kv_groups
+        self.cross = cross_group(config)  # the encoder's KV (spec/cross_attention.py), or None
         self.allocators = [
             BlockAllocator(g.num_blocks, knobs.allocation_order, knobs.reuse_freed_first, seed=seed * 31 + i)
             for i, g in enumerate(self.groups)
@@ -116,8 +119,10 @@ class ReferenceScheduler:
         self._sampling = tuple(
             r
             for r, n in step.scheduled
-            if self.requests[r].num_computed + n == self.requests[r].num_tokens + len(step.drafts.get(r, ()))
+            if self.requests[r].num_computed + n
+            == self.requests[r].num_tokens + self.requests[r].phantom + len(step.drafts.get(r, ()))
         )
+        self._end_run_ahead(step)
         self._last = out
         self.step_index += 1
         self.stats.steps += 1
@@ -181,7 +186,10 @@ class ReferenceScheduler:
         if not 1 <= len(tokens) <= len(drafts) + 1 or tokens[:-1] != drafts[: len(tokens) - 1]:
             raise ValueError(f"{req.req_id}: kept {tokens} is not accepted drafts of {drafts} plus one token")
         accepted = len(tokens) - 1
-        req.num_computed -= len(drafts) - accepted  # their KV is stale: the next step writes those positions again
+        if self.config.async_scheduling:  # the next step is sent as if every draft was accepted (spec/async_steps.py)
+            req.phantom, req.unverified = len(drafts) - accepted, len(drafts)
+        else:
+            req.num_computed -= len(drafts) - accepted  # their KV is stale: the next step writes them again
         req.tokens.extend(tokens)
         req.num_output += len(tokens)
         if drafts:
@@ -213,8 +221,9 @@ class ReferenceScheduler:
         while i < len(self.running) and step.budget > 0 and len(step.scheduled) < self.max_running:
             req = self.running[i]
             self._release_out_of_window(req)
-            drafts = self.proposer.propose(req.tokens, self._draft_room(req))
-            want = min(req.num_tokens + len(drafts) - req.num_computed, step.budget, self.max_chunk)
+            drafts = [] if req.unverified else self.proposer.propose(req.tokens, self._draft_room(req))
+            want = min(req.num_tokens + req.phantom + len(drafts) - req.num_computed, step.budget, self.max_chunk)
+            want = chunk_limit(self.groups, req.num_computed, want, self.knobs)  # mamba states at block ends
             n = self._make_room(req, want, step, finished)
             if n == 0:
                 continue  # req left the running list (preempted or aborted); index i is the next one
@@ -225,6 +234,17 @@ class ReferenceScheduler:
                 CachedRequest(req.req_id, req.num_computed, new_ids if any(new_ids) else None, resumed=False)
             )
             i += 1
+
+    def _end_run_ahead(self, step: _Step) -> None:
+        """Async scheduling: the output went out with the optimistic counts; from here on the scheduler counts what
+        the pool holds after its correction (num_computed less the rejected drafts)."""
+        for req in self.requests.values():
+            if req.phantom and req.req_id in self.pool_num_computed and req.req_id in dict(step.scheduled):
+                self.pool_num_computed[req.req_id] -= req.phantom
+                self.stats.optimistic_counts += 1
+            if req.phantom and req.status is Status.RUNNING:
+                req.num_computed -= req.phantom
+            req.phantom, req.unverified = 0, 0
 
     def _draft_room(self, req: SchedRequest) -> int:
         """Most drafts req may carry: each kept one is an output token, and one more token always follows."""
@@ -285,6 +305,7 @@ class ReferenceScheduler:
             tables.append([NULL_BLOCK_ID if j < first_needed // group.block_size else b for j, b in enumerate(hits[g])])
         drafts = self._admission_drafts(req, tables)
         want = min(req.num_tokens + len(drafts) - computed, step.budget, self.max_chunk)
+        want = chunk_limit(self.groups, computed, want, self.knobs)  # mamba states at block ends
         revived = [
             sum(1 for b in t if b != NULL_BLOCK_ID and self.allocators[g].is_free(b)) for g, t in enumerate(tables)
         ]
@@ -323,11 +344,19 @@ class ReferenceScheduler:
         self.stats.prefix_hit_tokens += plan.computed
         self.stats.full_prefix_hits += any(plan.writes)
         if plan.is_new:
-            step.new.append(NewRequest(req.req_id, tuple(req.tokens), tables, plan.computed))
+            mrope = (req.spec.mrope_positions, req.spec.mrope_position_delta)  # a multimodal request's (or None, 0)
+            step.new.append(
+                NewRequest(
+                    req.req_id, tuple(req.tokens), tables, plan.computed, *mrope, encoder_len=req.spec.encoder_len
+                )
+            )
             self.stats.admitted += 1
         else:
             step.cached.append(CachedRequest(req.req_id, plan.computed, tables, resumed=True))
             self.stats.resumptions += 1
+        if req.spec.encoder_len:  # its first step (again, after a preemption) writes the encoder's KV
+            self.stats.encoder_writes += 1
+            self.stats.encoder_rewrites += not plan.is_new
         req.status = Status.RUNNING
         step.add(req.req_id, plan.num_tokens)
         kept = plan.drafts[: max(0, plan.computed + plan.num_tokens - req.num_tokens)]
@@ -350,14 +379,20 @@ class ReferenceScheduler:
         fit = want
         for g, group in enumerate(self.groups):
             free = self.allocators[g].num_free - (reserved[g] if reserved else 0)
-            fit = min(fit, (table_lens[g] + max(free, 0)) * group.block_size - start)
+            if g == self.cross:  # the encoder's blocks, all or nothing, whatever the decoder runs
+                fit = fit if _cross_need(req, table_lens[g], group.block_size) <= free else 0
+                continue
+            held = table_lens[g] + max(free, 0) - speculative_blocks(group)  # a mamba group's drafts' states
+            fit = min(fit, held * group.block_size - start)
         return max(fit, 0)
 
     def _grow(self, req: SchedRequest, n: int) -> tuple[tuple[int, ...], ...]:
         """Allocate the blocks positions [num_computed, num_computed + n) still lack, per group."""
         added = []
         for g, group in enumerate(self.groups):
-            need = math.ceil((req.num_computed + n) / group.block_size) - len(req.blocks[g])
+            need = math.ceil((req.num_computed + n) / group.block_size) + speculative_blocks(group) - len(req.blocks[g])
+            if g == self.cross:
+                need = _cross_need(req, len(req.blocks[g]), group.block_size)
             new = self.allocators[g].allocate(max(need, 0))
             self.stats.window_reuses += len(set(new).intersection(req.pool_tables[g]))  # handed back to its owner
             req.blocks[g] += new
@@ -387,7 +422,8 @@ class ReferenceScheduler:
         for g, group in enumerate(self.groups):
             if group.sliding_window is None:
                 continue
-            first_needed = max(0, req.num_computed - group.sliding_window + 1)  # oldest key a new query reads
+            # the oldest key a new query reads; under async scheduling, from the lowest start any verdict gives
+            first_needed = max(0, req.num_computed - req.unverified - group.sliding_window + 1)
             for j in range(min(first_needed // group.block_size, len(req.blocks[g]))):
                 if req.blocks[g][j] != NULL_BLOCK_ID:
                     self.allocators[g].release(req.blocks[g][j])
@@ -396,7 +432,7 @@ class ReferenceScheduler:
 
     def _prefix_hit(self, req: SchedRequest) -> tuple[int, list[list[int]]]:
         """(num_computed_tokens, per group the cached blocks it starts with)."""
-        if not self.knobs.enable_prefix_caching:
+        if not self.knobs.enable_prefix_caching or self.cross is not None:  # no prefix cache for encoder output
             return 0, [[] for _ in self.groups]
         chains = []
         for g, group in enumerate(self.groups):
@@ -408,7 +444,10 @@ class ReferenceScheduler:
                 chain.append(block)
             chains.append(chain)
         hit = min(len(c) * g.block_size for c, g in zip(chains, self.groups, strict=True))
-        if hit >= req.num_tokens:
+        if hit >= req.num_tokens and any(g.kind == "mamba" for g in self.groups):
+            step = math.lcm(*(g.block_size for g in self.groups))  # a mamba state is cached at block ends only
+            computed = (req.num_tokens - 1) // step * step
+        elif hit >= req.num_tokens:
             computed = req.num_tokens - 1  # logits need the last token: recompute it in place
         else:
             step = math.lcm(*(g.block_size for g in self.groups))
@@ -417,6 +456,8 @@ class ReferenceScheduler:
 
     def _register_full_blocks(self, req: SchedRequest) -> None:
         for g, group in enumerate(self.groups):
+            if g == self.cross or (group.kind == "mamba" and not caches_states(self.knobs)):
+                continue
             hashes = req.block_hashes(g, group.block_size)
             full = min(req.num_computed // group.block_size, len(hashes))
             for j in range(req.num_hashed[g], full):
@@ -465,6 +506,11 @@ class ReferenceScheduler:
             self.stats.aborted += 1
             if self._drop(req):
                 finished.append(req.req_id)  # in this very output: apply frees rows before anything else
+
+
+def _cross_need(req: SchedRequest, held: int, block_size: int) -> int:
+    """Cross blocks req still lacks: cdiv(encoder_len, block_size), allocated when it is admitted."""
+    return max(0, math.ceil(req.spec.encoder_len / block_size) - held)
 
 
 class _Step:

@@ -1,0 +1,194 @@
+"""Mamba faults for the invalid-output generator: a valid output of a hybrid model broken where spec/mamba.py refuses.
+
+Each mutation keeps every check before its class passing (spec/validate.py's order), so its class is known by
+construction:
+- BlockTableOverflowError: a drafting request sent more drafts than its mamba group keeps speculative blocks;
+- MissingBlockError: a continuing request whose num_computed_tokens moved back one, so the state after its last
+  computed token was never stored; or a drafting request's mamba table one entry short of its last draft's state
+  (the table width without the speculative blocks, vllm-ascend PR #11466);
+- NullBlockError: the null block as the state a step reads or one it writes (vLLM PR #33937);
+- DuplicateSlotError: a second request writing a state block another one writes this step.
+
+A table edit of a continuing request resends its whole table as a resumed one, which makes its state read a
+fresh row's (a cached state at a block end), so only requests whose num_computed_tokens is a multiple of every
+mamba block size are edited that way (`resumable`).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from spec.errors import BlockTableOverflowError, DuplicateSlotError, MissingBlockError, NullBlockError, ScheduleError
+from spec.mamba import MAMBA, write_column
+from spec.types import NULL_BLOCK_ID, PoolSnapshot, SchedulerOutput, WorkerConfig
+
+BreakOutput = Callable[
+    [type[ScheduleError], SchedulerOutput, WorkerConfig, PoolSnapshot, random.Random],
+    "tuple[SchedulerOutput, type[ScheduleError]] | None",
+]
+
+
+def mamba_groups(config: WorkerConfig) -> list[int]:
+    return [g for g, group in enumerate(config.kv_groups) if group.kind == MAMBA]
+
+
+def resumable(config: WorkerConfig, num_computed: int, is_new: bool) -> bool:
+    """Whether resending the request's tables as a resumed one keeps its mamba state read valid."""
+    return is_new or all(num_computed % config.kv_groups[g].block_size == 0 for g in mamba_groups(config))
+
+
+@dataclass
+class _Req:
+    req_id: str
+    num_computed: int
+    num_scheduled: int
+    known: int
+    drafts: tuple[int, ...]
+    tables: list[list[int]]  # per group: the whole table after the step
+    is_new: bool
+    resumed: bool
+
+    def write(self, block_size: int) -> int:
+        return write_column(self.num_computed, self.num_scheduled, block_size)
+
+
+class _Ctx:
+    def __init__(self, out: SchedulerOutput, config: WorkerConfig, snapshot: PoolSnapshot, rng: random.Random):
+        self.out, self.config, self.rng = out, config, rng
+        rows = {row.req_id: row for row in snapshot}
+        groups = range(len(config.kv_groups))
+        drafts = out.scheduled_spec_decode_tokens
+        self.reqs = [
+            _Req(r.req_id, r.num_computed_tokens, out.num_scheduled_tokens[r.req_id], len(r.prompt_token_ids),
+                 tuple(drafts.get(r.req_id, ())), [list(t) for t in r.block_ids], True, False)
+            for r in out.new_requests
+        ]  # fmt: skip
+        for c in out.cached_requests:
+            added = c.new_block_ids or tuple(() for _ in groups)
+            kept = [[] if c.resumed else list(rows[c.req_id].block_ids[g]) for g in groups]
+            self.reqs.append(
+                _Req(c.req_id, c.num_computed_tokens, out.num_scheduled_tokens[c.req_id],
+                     len(rows[c.req_id].token_ids), tuple(drafts.get(c.req_id, ())),
+                     [kept[g] + list(added[g]) for g in groups], False, c.resumed)
+            )  # fmt: skip
+        self.mamba = mamba_groups(config)
+        self.spare_budget = config.max_num_batched_tokens - out.total_num_scheduled_tokens
+
+    def editable(self) -> list[_Req]:
+        return [r for r in self.reqs if resumable(self.config, r.num_computed, r.is_new or r.resumed)]
+
+
+def _with_table(ctx: _Ctx, r: _Req, g: int, table: list[int]) -> SchedulerOutput:
+    """`r`'s tables with group g's replaced: block_ids of a new request, a resumed table for a cached one."""
+    blocks = tuple(tuple(table) if h == g else tuple(t) for h, t in enumerate(r.tables))
+    out = ctx.out
+    news = tuple(replace(x, block_ids=blocks) if x.req_id == r.req_id else x for x in out.new_requests)
+    cached = tuple(
+        replace(x, new_block_ids=blocks, resumed=True) if x.req_id == r.req_id else x for x in out.cached_requests
+    )
+    return replace(out, new_requests=news, cached_requests=cached)
+
+
+def _too_many_drafts(ctx: _Ctx) -> SchedulerOutput | None:
+    limit = ctx.config.max_model_len
+    for r in ctx.rng.sample(ctx.reqs, len(ctx.reqs)):
+        end = r.num_computed + r.num_scheduled
+        if not r.drafts or end != r.known + len(r.drafts):
+            continue
+        extra = 1 + max(ctx.config.kv_groups[g].num_speculative_blocks for g in ctx.mamba) - len(r.drafts)
+        if extra > ctx.spare_budget or end + extra > limit:
+            continue
+        drafts = (*r.drafts, *(ctx.rng.randrange(ctx.config.vocab_size) for _ in range(extra)))
+        counts = {**ctx.out.num_scheduled_tokens, r.req_id: r.num_scheduled + extra}
+        spec = {**ctx.out.scheduled_spec_decode_tokens, r.req_id: drafts}
+        return replace(ctx.out, num_scheduled_tokens=counts, scheduled_spec_decode_tokens=spec)
+    return None
+
+
+def _state_missing(ctx: _Ctx) -> SchedulerOutput | None:
+    """A continuing request moved back past every state its last step kept (1 + its drafts, at most 1 + S)."""
+    groups = ctx.config.kv_groups
+    back = 1 + max(groups[g].num_speculative_blocks for g in ctx.mamba)
+    options = [
+        r
+        for r in ctx.reqs
+        if not r.is_new and not r.resumed and not r.drafts and r.num_computed >= back
+        and all(g.first_live_entry(r.num_computed - back) == g.first_live_entry(r.num_computed) for g in groups)
+    ]  # fmt: skip
+    if not options:
+        return None
+    r = ctx.rng.choice(options)
+    out = ctx.out
+    cached = tuple(replace(x, num_computed_tokens=r.num_computed - back) if x.req_id == r.req_id else x
+                   for x in out.cached_requests)  # fmt: skip
+    return replace(out, cached_requests=cached)
+
+
+def _speculative_block_missing(ctx: _Ctx) -> SchedulerOutput | None:
+    """A drafting request's mamba table cut just before its last draft's state block."""
+    options = [(r, g) for r in ctx.reqs if r.drafts for g in ctx.mamba]
+    if not options:
+        return None
+    r, g = ctx.rng.choice(options)
+    keep = r.write(ctx.config.kv_groups[g].block_size) + len(r.drafts)
+    return _with_table(ctx, r, g, r.tables[g][:keep])
+
+
+def _null_state(ctx: _Ctx) -> SchedulerOutput | None:
+    """The null block where the step reads its state (a cached one at a block end) or writes one."""
+    options = []
+    for r in ctx.editable():
+        for g in ctx.mamba:
+            bs = ctx.config.kv_groups[g].block_size
+            write = r.write(bs)
+            entries = list(range(write, write + len(r.drafts) + 1))
+            if r.num_computed > 0:
+                entries.append((r.num_computed - 1) // bs)
+            options += [(r, g, e) for e in entries]
+    if not options:
+        return None
+    r, g, entry = ctx.rng.choice(options)
+    table = list(r.tables[g])
+    table[entry] = NULL_BLOCK_ID
+    return _with_table(ctx, r, g, table)
+
+
+def _shared_state(ctx: _Ctx) -> SchedulerOutput | None:
+    """A second request's written state block made the one another request writes."""
+    for g in ctx.rng.sample(ctx.mamba, len(ctx.mamba)):
+        bs = ctx.config.kv_groups[g].block_size
+        for a in ctx.rng.sample(ctx.reqs, len(ctx.reqs)):
+            block = a.tables[g][a.write(bs) + ctx.rng.randint(0, len(a.drafts))]
+            for b in ctx.editable():
+                if b is not a and block not in b.tables[g]:
+                    table = list(b.tables[g])
+                    table[b.write(bs) + ctx.rng.randint(0, len(b.drafts))] = block
+                    return _with_table(ctx, b, g, table)
+    return None
+
+
+MAMBA_BREAKERS: dict[type[ScheduleError], tuple[Callable[[_Ctx], SchedulerOutput | None], ...]] = {
+    BlockTableOverflowError: (_too_many_drafts,),
+    MissingBlockError: (_state_missing, _speculative_block_missing),
+    NullBlockError: (_null_state,),
+    DuplicateSlotError: (_shared_state,),
+}
+
+
+def mamba_fault_or(
+    plain: BreakOutput,
+    cls: type[ScheduleError],
+    out: SchedulerOutput,
+    config: WorkerConfig,
+    snapshot: PoolSnapshot,
+    rng: random.Random,
+) -> tuple[SchedulerOutput, type[ScheduleError]] | None:
+    """On a hybrid model, a mamba fault of class `cls` half of the time where one exists, else `plain`'s fault."""
+    makers = MAMBA_BREAKERS.get(cls, ())
+    if makers and mamba_groups(config) and rng.random() < 0.5:
+        broken = rng.choice(makers)(_Ctx(out, config, snapshot, rng))
+        if broken is not None:
+            return broken, cls
+    return plain(cls, out, config, snapshot, rng)
