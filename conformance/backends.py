@@ -28,6 +28,7 @@ import numpy as np
 
 import spec
 import spec.interop
+from spec.async_steps import PENDING_FIELDS
 from spec.protocol import Backend, StatePool
 from spec.types import BatchInputs, PoolSnapshot, SchedulerOutput, WorkerConfig
 
@@ -94,6 +95,9 @@ class BackendHandle:
         for name in ("mamba_state_indices", "mamba_prev_state_indices"):  # per group, None for non-mamba groups
             groups = getattr(batch, name, None)
             out[name] = None if groups is None else tuple(None if a is None else self.to_numpy(a) for a in groups)
+        for name in PENDING_FIELDS:  # async scheduling (spec/async_steps.py): None in synchronous mode
+            value = getattr(batch, name, None)
+            out[name] = None if value is None else self.to_numpy(value)
         mrope = getattr(batch, "mrope_positions", None)  # spec/mrope.py: None for a model without M-RoPE
         out["mrope_positions"] = None if mrope is None else self.to_numpy(mrope)
         return out
@@ -198,9 +202,9 @@ def canonical_name(name: str) -> str:
 def cross_attention_of(handle: BackendHandle) -> Callable[..., Any] | None:
     """The backend's attention over the encoder's KV (spec/encoder_attention.py), or None if it has none."""
     if handle.module is spec:
-        import spec.encoder_attention
+        from spec.encoder_attention import cross_attention
 
-        return spec.encoder_attention.cross_attention
+        return cross_attention
     found = getattr(handle.module, "cross_attention", None)
     return found if callable(found) else None
 

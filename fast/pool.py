@@ -34,6 +34,7 @@ from operator import itemgetter
 import numpy as np
 import torch
 
+from fast.async_steps import AheadState
 from fast.batch import batch_order
 from fast.cross_attention import with_cross_inputs
 from fast.drafts import batch_drafts, draft_columns, draft_positions, sampler_tensors
@@ -42,13 +43,14 @@ from fast.kernel_prepare import prepare_on_device
 from fast.mamba import with_state_indices
 from fast.mrope import DeviceMRope
 from fast.released import ReleasedTails
-from fast.runtime import interpret, interpret_enabled, use_triton
+from fast.runtime import interpret, interpret_enabled, upload, use_triton
 from fast.sampled import record_accepted, record_one_per_row
 from fast.state import DeviceState, HostMirror, write_prompts
 from fast.validate import plan_bulk_step
 from fast.writes import apply_writes, step_writes
+from spec.async_steps import PENDING_FIELDS, pending_tokens
 from spec.cross_attention import cross_group
-from spec.drafts import draft_logits
+from spec.drafts import accepted_rows, draft_logits
 from spec.errors import InconsistentSchedulerOutputError, UnknownRequestError
 from spec.state import PoolState, StepPlan
 from spec.types import BatchInputs, PoolSnapshot, RowSnapshot, SchedulerOutput, WorkerConfig, is_integral
@@ -75,10 +77,18 @@ class RequestStatePool:
         self._prepared_rows_np = np.zeros(0, np.int64)  # [num_reqs] its batch_idx -> req_state_idx
         self._prepared_seq_lens_np = np.zeros(0, np.int64)  # [num_reqs] its seq_lens
         self._prepared_drafts: tuple[np.ndarray, np.ndarray] | None = None  # its batch_drafts; None: none
+        self._applies = 0  # apply calls so far: the clock of async scheduling's late reads (spec/async_steps.py)
+        self.ahead = AheadState(config, self.dev) if config.async_scheduling else None
 
     # ---- apply -------------------------------------------------------------------------------------
     def apply(self, sched: SchedulerOutput) -> None:
-        plan = plan_bulk_step(self.state, sched, self.released.tails)
+        self._applies += 1
+        if self.ahead is not None:  # the copies of records two applies old: the mirror learns their verdicts
+            self.ahead.read_due(self.state, self._applies, shares_computed=self.host_mode)
+        # spec's plan_step decides async steps the bulk path does not model (spec/async_steps.py): drafts after
+        # unverified ones (rule 5), and windows checked from the lowest start a verdict may give (rule 4)
+        bulk = self.ahead is None or not (sched.scheduled_spec_decode_tokens or self.state.num_unverified_drafts.any())
+        plan = plan_bulk_step(self.state, sched, self.released.tails) if bulk else None
         if plan is None:
             plan = plan_step(self.state, sched)  # raises spec's error, or accepts what the bulk path left to it
         self._commit(plan)
@@ -104,6 +114,9 @@ class RequestStatePool:
                 write_prompts(dev.token_ids_np, plan.new_rows, plan.prompt_lens, plan.prompt_tokens)
             if plan.num_drafts is not None:
                 dev.store_tokens(*draft_positions(plan, plan.num_drafts), plan.draft_ids)
+        if self.ahead is not None:  # the device corrects what the scheduler counted optimistically
+            replaced = plan.tables[0].rows[plan.tables[0].replaced]  # new and resumed requests' rows
+            self.ahead.commit(plan, plan.rows[~np.isin(plan.rows, replaced)])
 
     # ---- prepare -----------------------------------------------------------------------------------
     def prepare(self, sched: SchedulerOutput, pad_to: int | None = None) -> BatchInputs:
@@ -121,7 +134,9 @@ class RequestStatePool:
         if padded < num_tokens:
             raise InconsistentSchedulerOutputError(None, "pad_to", f"{pad_to} < {num_tokens} scheduled tokens")
         padded = int(padded)
-        seq_lens = self.state.num_computed_tokens[index_mapping] + num_scheduled  # [num_reqs] int64
+        # [num_reqs] int64 as the host counts (optimistically, under async scheduling: spec/async_steps.py)
+        computed = plan.num_computed if order is None else plan.num_computed[order]
+        seq_lens = computed + num_scheduled
         if self.host_mode:
             batch = self._host_batch.prepare(
                 self.dev, self.state, req_ids, index_mapping, num_scheduled, num_tokens, padded
@@ -143,6 +158,13 @@ class RequestStatePool:
             counts = drafts[0] if drafts is not None else np.zeros(len(req_ids), np.int64)
             with interpret(self._interpret):
                 batch = with_state_indices(batch, self.dev, plan, order, counts, self.host_mode)
+        if self.ahead is not None:
+            state, at = self.state, np.concatenate([[0], cu_num_tokens])
+            pending = pending_tokens(state.sampled_in[index_mapping], state.num_known_tokens[index_mapping],
+                                     computed, at, num_scheduled)  # fmt: skip
+            batch = dataclasses.replace(
+                batch, **dict(zip(PENDING_FIELDS, (upload(a, self.device) for a in pending), strict=True))
+            )
         self._prepared_drafts = drafts
         self._prepared = batch
         self._prepared_rows_np = index_mapping
@@ -155,6 +177,9 @@ class RequestStatePool:
         if batch is not self._prepared and not self._equals_prepared(batch):
             detail = "not the batch of the last prepare (or recorded already)"
             raise InconsistentSchedulerOutputError(None, "batch", detail)
+        if self.ahead is not None:
+            self._record_ahead(batch, sampled_token_ids)
+            return
         sampled = _host_array(sampled_token_ids)  # the one sync: the ids must be validated
         if sampled.size and sampled.dtype.kind not in "iu":
             detail = f"dtype {sampled.dtype}: needs integer ids"
@@ -164,6 +189,23 @@ class RequestStatePool:
             record_accepted(*prepared, self._prepared_drafts, sampled)
         else:
             record_one_per_row(*prepared, sampled)
+        self._prepared = None
+
+    def _record_ahead(self, batch: BatchInputs, sampled_token_ids: object) -> None:
+        """Async scheduling: what the host can check without the values now, the rest on the device."""
+        sampled = sampled_token_ids if isinstance(sampled_token_ids, torch.Tensor) else None
+        if sampled is None:
+            sampled = torch.from_numpy(np.ascontiguousarray(np.asarray(sampled_token_ids)))
+        dtype = sampled.dtype
+        if sampled.numel() and (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool):
+            detail = f"dtype {str(dtype).removeprefix('torch.')}: needs integer ids"
+            raise InconsistentSchedulerOutputError(None, "sampled_token_ids", detail)
+        accepted_rows(np.empty(tuple(sampled.shape), np.int64), batch.num_reqs)  # its shape errors, as spec's
+        rows, seq_lens, state = self._prepared_rows_np, self._prepared_seq_lens_np, self.state
+        num_drafts, draft_ids = self._prepared_drafts or (np.zeros(rows.size, np.int64), np.zeros(0, np.int64))
+        takes = seq_lens == state.num_known_tokens[rows] + num_drafts  # [num_reqs] the step reached its last input
+        args = (batch.req_ids, rows, takes, num_drafts, draft_ids, sampled.to(self.device))
+        self.ahead.record(state, self._applies, *args)  # type: ignore[union-attr]
         self._prepared = None
 
     def _equals_prepared(self, batch: BatchInputs) -> bool:
@@ -188,6 +230,10 @@ class RequestStatePool:
         state = self.state
         occupied = [row for row, req_id in enumerate(state.req_ids) if req_id is not None]
         lengths = state.num_known_tokens[occupied]
+        computed = state.num_computed_tokens
+        if self.ahead is not None:  # the host's counts are optimistic until read: ask the device (a sync)
+            lengths = self.ahead.num_known.cpu().numpy()[occupied]
+            computed = self.dev.num_computed.cpu().numpy()
         held = int(lengths.max()) if occupied else 0
         if self.dev.token_ids_np is not None:
             token_ids = self.dev.token_ids_np
@@ -200,7 +246,7 @@ class RequestStatePool:
                 row=row,
                 req_id=state.req_ids[row],  # type: ignore[arg-type]
                 token_ids=tuple(token_ids[at, :length].tolist()),
-                num_computed_tokens=int(state.num_computed_tokens[row]),
+                num_computed_tokens=int(computed[row]),
                 block_ids=tuple(tuple(state.blocks(row, g).tolist()) for g in range(len(self.config.kv_groups))),
             )
             for row, at, length in zip(occupied, rows_at, lengths.tolist(), strict=True)

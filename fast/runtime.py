@@ -78,3 +78,32 @@ def upload(array: np.ndarray, device: torch.device) -> torch.Tensor:
     if device.type == "cpu":
         return host
     return host.pin_memory().to(device, non_blocking=True)
+
+
+class HostCopy:
+    """Device tensors on their way to the host: the copy starts when made and `wait` returns them as NumPy.
+
+    On CUDA the copy goes to pinned memory behind the work already queued, with an event, so `wait` waits for
+    that work only and not for whatever was queued after it (the next step's forward, when async scheduling reads
+    a record two applies late). CPU tensors are copied at once.
+    """
+
+    def __init__(self, tensors: tuple[torch.Tensor, ...]) -> None:
+        self._event: Any = None
+        if tensors and tensors[0].device.type == "cuda":
+            self._host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors)
+            for host, t in zip(self._host, tensors, strict=True):
+                host.copy_(t, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = tuple(t.clone() for t in tensors)
+
+    def wait(self) -> list[np.ndarray]:
+        if self._event is not None:
+            self._event.synchronize()
+        return [t.numpy() for t in self._host]
+
+
+def start_host_copy(*tensors: torch.Tensor) -> HostCopy:
+    return HostCopy(tensors)

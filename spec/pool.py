@@ -12,8 +12,11 @@ Speculative decoding (drafts in the batch, accepted tokens, rollback) is describ
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
+from spec.async_steps import REPORTED_AFTER, LateFault, correct_counts, pending_tokens, record_ahead
 from spec.batch import batch_order
 from spec.cross_attention import cross_group, with_cross_inputs
 from spec.drafts import DraftLogits, accepted_rows, check_accepted, draft_logits, draft_token_indices
@@ -48,10 +51,19 @@ class RequestStatePool:
         self._prepared: BatchInputs | None = None  # the batch record_sampled may take
         self._prepared_rows = (np.zeros(0, np.int64), np.zeros(0, np.int64))  # its index_mapping and seq_lens
         self._prepared_drafts: list[np.ndarray] = []  # [num_reqs] its drafts per batch row
+        # async scheduling (spec/async_steps.py): what the host learns of each record one step late
+        self._applies = 0  # apply calls so far, rejected ones included: the clock late faults are due by
+        self._late_faults: list[LateFault] = []
+        self._num_rejected = np.zeros(config.max_num_reqs, np.int64)  # [R] drafts the last record rejected
 
     def apply(self, sched: SchedulerOutput) -> None:
+        self._applies += 1
+        if self._late_faults and self._late_faults[0].due <= self._applies:  # async: a record's fault, reported now
+            raise self._late_faults.pop(0).error
         plan = plan_step(self.state, sched)  # raises before anything below runs
         self.state.commit(plan)
+        if self.config.async_scheduling:
+            correct_counts(self.state, sched, plan.freed_rows, self._num_rejected)
         if self.mrope is not None:
             self.mrope.commit(plan.freed_rows, plan.mrope)
         starts = np.cumsum(plan.prompt_lens) - plan.prompt_lens  # [k] where each prompt begins in prompt_tokens
@@ -104,6 +116,15 @@ class RequestStatePool:
         if (cross := cross_group(self.config)) is not None:  # encoder-decoder: spec/cross_attention.py
             self._prepared = with_cross_inputs(self._prepared, self.state, cross)
         self._prepared = with_state_indices(self._prepared, self.state, plan, num_drafts)  # spec/mamba.py
+        if self.config.async_scheduling:
+            state = self.state
+            counts = (state.num_known_tokens[index_mapping], state.num_computed_tokens[index_mapping])
+            indices, sources = pending_tokens(
+                state.sampled_in[index_mapping], *counts, flat.query_start_loc, num_scheduled
+            )
+            self._prepared = dataclasses.replace(
+                self._prepared, pending_token_indices=indices, pending_prev_batch_idx=sources
+            )
         self._prepared_rows = (index_mapping.astype(np.int64), flat.seq_lens.copy())
         self._prepared_drafts = drafts
         return self._prepared
@@ -131,6 +152,13 @@ class RequestStatePool:
         drafts = self._prepared_drafts
         known = self.state.num_known_tokens[rows]  # [num_reqs]
         takes = seq_lens == known + [d.size for d in drafts]  # [num_reqs] the step reached its last input token
+        if self.config.async_scheduling:  # the values' checks are reported late (spec/async_steps.py, rule 6)
+            self._prepared = None
+            args = (batch.req_ids, rows, takes, tokens, counts, drafts)
+            self._num_rejected, fault = record_ahead(self.state, self.token_ids, *args)
+            if fault is not None:
+                self._late_faults.append(LateFault(fault, self._applies + REPORTED_AFTER))
+            return
         for b in np.flatnonzero(takes):
             check_accepted(batch.req_ids[b], tokens[b], int(counts[b]), drafts[b], int(known[b]), self.config)
         for b in np.flatnonzero(takes):
@@ -156,11 +184,12 @@ class RequestStatePool:
         return self.state.row_of[req_id]
 
     def snapshot(self) -> PoolSnapshot:
+        held = self.state.num_known_tokens - self._num_rejected  # [R] async: the scheduler's count less rejections
         return tuple(
             RowSnapshot(
                 row=row,
                 req_id=req_id,
-                token_ids=tuple(self.token_ids[row, : self.state.num_known_tokens[row]].tolist()),
+                token_ids=tuple(self.token_ids[row, : held[row]].tolist()),
                 num_computed_tokens=int(self.state.num_computed_tokens[row]),
                 block_ids=tuple(tuple(self.state.blocks(row, g).tolist()) for g in range(len(self.config.kv_groups))),
             )

@@ -40,6 +40,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from spec.async_steps import check_no_drafts_after_unverified, lowest_start
+from spec.cross_attention import (
+    check_cross_blocks,
+    check_encoder_fields,
+    check_encoder_len,
+    cross_group,
+    written_cross_slots,
+)
 from spec.errors import (
     BlockIdError,
     BlockTableOverflowError,
@@ -55,14 +63,6 @@ from spec.errors import (
     UnknownRequestError,
     UnknownTokenError,
 )
-from spec.mrope import check_mrope_inputs, mrope_writes
-from spec.cross_attention import (
-    check_cross_blocks,
-    check_encoder_fields,
-    check_encoder_len,
-    cross_group,
-    written_cross_slots,
-)
 from spec.mamba import (
     MAMBA,
     StateRead,
@@ -76,6 +76,7 @@ from spec.mamba import (
     write_column,
     written_blocks,
 )
+from spec.mrope import check_mrope_inputs, mrope_writes
 from spec.state import PoolState, StepPlan, TableWrites
 from spec.types import (
     NULL_BLOCK_ID,
@@ -103,6 +104,7 @@ class _Scheduled:
     tables: list[np.ndarray]  # per group: the whole table after the step (empty where `malformed`)
     malformed: list[int]  # groups whose given ids are not integers (check 9 rejects them)
     encoder_len: int = 0  # encoder tokens in the cross group (spec/cross_attention.py)
+    fresh_tables: bool = False  # new or resumed: the step replaces its tables
     fresh_cross_blocks: bool = False  # new, or resumed with other cross blocks (spec/cross_attention.py)
     state_read: StateRead | None = None  # with mamba groups: where the step's initial state is (spec/mamba.py)
 
@@ -185,6 +187,8 @@ def plan_step(state: PoolState, sched: SchedulerOutput) -> StepPlan:
         if s.num_drafts and end != s.known_tokens + s.num_drafts:  # drafts must follow the last known token
             detail = f"step ends at position {end - 1}: {s.num_drafts} drafts must follow the {s.known_tokens} known"
             raise UnknownTokenError(s.req_id, "scheduled_spec_decode_tokens", detail)
+    if config.async_scheduling:
+        check_no_drafts_after_unverified(state, sched)
     for check in (_check_block_ids, _check_table_sizes, _check_blocks_present, _check_null_reads):
         for s in scheduled:
             for g in range(num_groups):
@@ -383,6 +387,7 @@ def _scheduled_requests(
                 malformed,
                 int(new.encoder_len),
                 True,
+                True,
             )
         )
     for cached in sched.cached_requests:
@@ -401,6 +406,7 @@ def _scheduled_requests(
                 tables,
                 malformed,
                 int(state.encoder_lens[row]),
+                cached.resumed,
                 cached.resumed and _other_cross_blocks(state, row, tables),
             )
         )
@@ -443,7 +449,7 @@ def _check_block_ids(state: PoolState, s: _Scheduled, g: int) -> None:
     # Entries before the step's first read are released for good (this and every later step reads past
     # them): vLLM's worker table is append-only and its allocator reuses freed blocks first, so such an
     # entry may hold an id the request is handed again. Ids must be distinct from that entry on.
-    live_from = group.first_live_entry(s.num_computed)
+    live_from = group.first_live_entry(lowest_start(state, s.req_id, s.num_computed))
     live = table[live_from:]
     real = np.sort(live[live != NULL_BLOCK_ID])
     if (real[1:] == real[:-1]).any():  # sorted, a repeated id sits next to itself
@@ -486,7 +492,7 @@ def _check_null_reads(state: PoolState, s: _Scheduled, g: int) -> None:
         return check_not_null(s.req_id, g, group, s.tables[g], s.state_read, write, s.num_drafts)
     if g == cross_group(state.config):  # its entries are check 9's: a group without a window holds no null
         return
-    first_read = group.first_read(s.num_computed)
+    first_read = group.first_read(lowest_start(state, s.req_id, s.num_computed))
     last = s.num_computed + s.num_scheduled - 1
     read = s.tables[g][first_read // group.block_size : last // group.block_size + 1]
     if (read == NULL_BLOCK_ID).any():

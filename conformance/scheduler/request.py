@@ -27,6 +27,10 @@ class SchedRequest:
     pool_tables: list[list[int]] = field(default_factory=list)  # per group: the pool's table for its row
     num_hashed: list[int] = field(default_factory=list)  # per group: full blocks already registered
     hashes: list[list[int]] = field(default_factory=list)  # per group: chained hashes of its full blocks
+    # async scheduling, between a step's update and the next schedule: the drafts it rejected, which the next
+    # output still counts as tokens, and the drafts it verified (the next step may not draft: spec/async_steps.py)
+    phantom: int = 0
+    unverified: int = 0
 
     def __post_init__(self) -> None:
         self.tokens = list(self.spec.prompt_token_ids)
@@ -52,5 +56,15 @@ class SchedRequest:
         chain = self.hashes[group]
         for j in range(len(chain), self.num_tokens // block_size):
             parent = chain[-1] if chain else 0
-            chain.append(hash((parent, tuple(self.tokens[j * block_size : (j + 1) * block_size]))))
+            block = tuple(self.tokens[j * block_size : (j + 1) * block_size])
+            chain.append(hash((parent, block, self.mrope_key(j * block_size, (j + 1) * block_size))))
         return chain
+
+    def mrope_key(self, start: int, end: int) -> tuple[tuple[int, ...], ...] | None:
+        """A multimodal request's M-RoPE positions of tokens start..end (spec/mrope.py), part of its block hashes:
+        KV computed at other positions is other KV (vLLM keys such blocks by their images too). None for text."""
+        table, delta = self.spec.mrope_positions, self.spec.mrope_position_delta
+        if table is None:
+            return None
+        prompt_len = len(table[0])
+        return tuple(tuple(row[p] if p < prompt_len else p + delta for p in range(start, end)) for row in table)

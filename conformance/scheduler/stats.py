@@ -22,6 +22,7 @@ class SchedulerStats:
     null_lookaheads: int = 0  # null placeholders appended by continuing requests (knob null_lookahead)
     window_reuses: int = 0  # released blocks handed back to the request whose table still lists them
     padded_steps: int = 0
+    optimistic_counts: int = 0  # async scheduling: request-steps sent counting drafts the sampler had rejected
     drafts_scheduled: int = 0  # draft tokens sent in scheduled_spec_decode_tokens
     drafts_accepted: int = 0
     all_drafts_accepted: int = 0  # drafting request-steps that kept every draft
@@ -30,4 +31,6 @@ class SchedulerStats:
     drafts_on_admission: int = 0  # drafting request-steps of a new or resumed request's first step
     drafts_on_retaken_row: int = 0  # of those, new requests in a row that the same output freed
     drafts_crossing_blocks: int = 0  # drafting request-steps whose drafts start or cross a block of some group
+    encoder_writes: int = 0  # first steps of encoder-decoder requests: their encoder's KV is written
+    encoder_rewrites: int = 0  # of those, resumed after a preemption: the encoder runs again
     block_usage: list[list[int]] = field(default_factory=list)  # per step: blocks in use per group

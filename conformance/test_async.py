@@ -1,0 +1,150 @@
+"""Async scheduling (spec/async_steps.py) on every backend (`--backend`): the rules by hand, then random runs.
+
+The hand-built cases derive their expected values from the ids they hand out; the random runs drive the reference
+scheduler in async mode (optimistic counts one step ahead, no drafts right after drafts) and compare every step
+and every snapshot with spec and with the scheduler's own (synchronous) account of the pool.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from hypothesis import settings
+
+from conformance.backends import BackendHandle
+from conformance.differential import DifferentialRun, budget_for, drive, one_torch_thread
+from conformance.scenario import random_scenario
+from spec import (
+    BlockIdError,
+    CachedRequest,
+    KVCacheGroup,
+    NewRequest,
+    SchedulerOutput,
+    TokenIdError,
+    UnknownTokenError,
+    WorkerConfig,
+)
+
+CONFIG = WorkerConfig(4, 64, 32, 100, (KVCacheGroup(16, 64),), async_scheduling=True)
+PROMPT = (10, 11, 12, 13, 14)
+
+
+@pytest.fixture(autouse=True)
+def _single_thread() -> object:
+    with one_torch_thread():
+        yield
+
+
+def _ids(backend: BackendHandle, ids: list[int] | list[list[int]]) -> object:
+    return backend.asarray(np.array(ids, np.int64))
+
+
+def _prefill(backend: BackendHandle, config: WorkerConfig = CONFIG) -> object:
+    pool = backend.make_pool(config)
+    out = SchedulerOutput(new_requests=(NewRequest("a", PROMPT, ((3,),)),), num_scheduled_tokens={"a": 5})
+    pool.apply(out)
+    batch = pool.prepare(out)
+    assert backend.batch_to_numpy(batch)["pending_token_indices"].size == 0
+    pool.record_sampled(batch, _ids(backend, [42]))
+    return pool
+
+
+def _drafting_step(backend: BackendHandle, pool: object, accepted: list[int]) -> None:
+    """Position 5 (the sample 42) and drafts 7, 8; the sampler keeps `accepted`."""
+    out = SchedulerOutput(cached_requests=(CachedRequest("a", 5),), num_scheduled_tokens={"a": 3},
+                          scheduled_spec_decode_tokens={"a": (7, 8)})  # fmt: skip
+    pool.apply(out)  # type: ignore[attr-defined]
+    batch = pool.prepare(out)  # type: ignore[attr-defined]
+    got = backend.batch_to_numpy(batch)
+    assert got["pending_token_indices"].tolist() == [0] and got["pending_prev_batch_idx"].tolist() == [0]
+    assert got["input_ids"].tolist() == [42, 7, 8]
+    pool.record_sampled(batch, _ids(backend, [[*accepted, -1, -1][:3]]))  # type: ignore[attr-defined]
+
+
+def test_an_optimistic_count_is_corrected_by_the_rejected_drafts(backend: BackendHandle) -> None:
+    # Draft 7 kept, 8 rejected, 9 sampled: known 5 + 1 + 2 = 8 for the scheduler, 7 in truth. It sends the next
+    # step at num_computed 8 (as if both drafts were kept); the pool runs it at position 7, whose id 9 is pending.
+    pool = _prefill(backend)
+    _drafting_step(backend, pool, [7, 9])
+    out = SchedulerOutput(cached_requests=(CachedRequest("a", 8),), num_scheduled_tokens={"a": 1})
+    pool.apply(out)
+    got = backend.batch_to_numpy(pool.prepare(out))
+    assert got["positions"].tolist() == [7] and got["seq_lens"].tolist() == [8]
+    assert got["input_ids"].tolist() == [9] and got["slot_mappings"][0].tolist() == [3 * 16 + 7]
+    assert got["pending_token_indices"].tolist() == [0]
+    (row,) = pool.snapshot()
+    assert row.token_ids == (*PROMPT, 42, 7, 9) and row.num_computed_tokens == 7
+
+
+def test_drafts_right_after_unverified_drafts_are_refused(backend: BackendHandle) -> None:
+    pool = _prefill(backend)
+    _drafting_step(backend, pool, [7, 8, 9])
+    before = pool.snapshot()
+    out = SchedulerOutput(cached_requests=(CachedRequest("a", 8),), num_scheduled_tokens={"a": 2},
+                          scheduled_spec_decode_tokens={"a": (5,)})  # fmt: skip
+    with pytest.raises(UnknownTokenError, match="verdict"):
+        pool.apply(out)
+    assert pool.snapshot() == before
+
+
+def test_a_window_is_checked_from_the_lowest_start_a_verdict_gives(backend: BackendHandle) -> None:
+    # Window 4, block 2. Prompt 5 in blocks (3, 4, 5), then a decode with drafts at positions 6, 7 (block 6); the
+    # sampler keeps no draft. The scheduler counts 9 tokens and sends the next step at num_computed 8, whose window
+    # starts at position 5 (entry 2): block 4, entry 1, looks released, and it hands it back. But with both drafts
+    # rejected the step runs at position 6, whose window reads position 3, in entry 1: block 4 twice.
+    config = WorkerConfig(2, 32, 32, 100, (KVCacheGroup(2, 32, sliding_window=4),), async_scheduling=True)
+    pool = backend.make_pool(config)
+    out = SchedulerOutput(new_requests=(NewRequest("a", PROMPT, ((3, 4, 5),)),), num_scheduled_tokens={"a": 5})
+    pool.apply(out)
+    pool.record_sampled(pool.prepare(out), _ids(backend, [42]))
+    out = SchedulerOutput(cached_requests=(CachedRequest("a", 5, ((6,),)),), num_scheduled_tokens={"a": 3},
+                          scheduled_spec_decode_tokens={"a": (7, 8)})  # fmt: skip
+    pool.apply(out)
+    pool.record_sampled(pool.prepare(out), _ids(backend, [[1, -1, -1]]))
+    before = pool.snapshot()
+    reuse = SchedulerOutput(cached_requests=(CachedRequest("a", 8, ((4,),)),), num_scheduled_tokens={"a": 1})
+    with pytest.raises(BlockIdError, match="block 4 appears twice among the entries from 1 on"):
+        pool.apply(reuse)
+    assert pool.snapshot() == before
+
+
+def test_a_new_request_on_a_row_whose_owner_just_sampled_has_no_pending_token(backend: BackendHandle) -> None:
+    # vLLM #37159: the -1 placeholder of the previous owner's sample reached a new request's input ids.
+    pool = _prefill(backend)
+    out = SchedulerOutput(new_requests=(NewRequest("b", (20, 21), ((4,),)),), num_scheduled_tokens={"b": 2},
+                          finished_req_ids=frozenset({"a"}))  # fmt: skip
+    pool.apply(out)
+    got = backend.batch_to_numpy(pool.prepare(out))
+    assert got["index_mapping"].tolist() == [0]  # the row "a" held
+    assert got["pending_token_indices"].size == 0 and got["input_ids"].tolist() == [20, 21]
+
+
+def test_a_faulty_record_is_reported_by_the_apply_after_next(backend: BackendHandle) -> None:
+    pool = _prefill(backend)
+    out = SchedulerOutput(cached_requests=(CachedRequest("a", 5),), num_scheduled_tokens={"a": 1})
+    pool.apply(out)
+    pool.record_sampled(pool.prepare(out), _ids(backend, [100]))  # outside the vocabulary of 100: not raised here
+    ahead = SchedulerOutput(cached_requests=(CachedRequest("a", 6),), num_scheduled_tokens={"a": 1})
+    pool.apply(ahead)  # scheduled before the fault could be known
+    batch = pool.prepare(ahead)
+    assert backend.batch_to_numpy(batch)["input_ids"].tolist() == [-1]  # a placeholder, never a plausible id
+    pool.record_sampled(batch, _ids(backend, [3]))
+    before = pool.snapshot()
+    with pytest.raises(TokenIdError, match="100 not in"):
+        pool.apply(SchedulerOutput(cached_requests=(CachedRequest("a", 7),), num_scheduled_tokens={"a": 1}))
+    assert pool.snapshot() == before
+    assert before[0].token_ids == (*PROMPT, 42, -1, 3)
+
+
+def test_async_runs_agree_with_spec_on_every_step(backend: BackendHandle, conformance_scale: float) -> None:
+    budget = budget_for(backend, settings().max_examples, conformance_scale)
+    optimistic = 0
+    for seed in range(max(2, budget.examples // 4)):
+        scenario = random_scenario(seed, spec_decode=True)
+        scenario = dataclasses.replace(scenario, config=dataclasses.replace(scenario.config, async_scheduling=True))
+        run = DifferentialRun(scenario, backend)
+        drive(run, budget.max_steps)
+        optimistic += run.sched.stats.optimistic_counts
+    assert optimistic > 0, "no step was sent with an optimistic count"

@@ -1,0 +1,154 @@
+"""Async scheduling: each step is scheduled before the previous step's samples are known on the host.
+
+With `WorkerConfig.async_scheduling` the engine runs one step ahead (vLLM's async scheduling, SGLang's overlap
+scheduler). The calls keep their order, apply, prepare, record_sampled, but the host never waits for sampled
+values: the scheduler sends step N+1 before step N's samples reach it, and in fast record_sampled leaves the ids
+on the device. What changes, rule by rule (docs/semantics.md, "Async scheduling"):
+
+1. Optimistic counts. A batch row that takes its sample in step N (its step reached its last input token) counts,
+   for step N+1, as holding 1 + k more tokens: its sample and all k of its drafts, accepted or not, because the
+   scheduler cannot know yet how many were rejected. `PoolState.num_known_tokens` holds this count between the
+   record and the next apply, so validation reads exactly what the scheduler assumed.
+2. Correction. The sampler rejects r of the k drafts; the pool knows r (spec at once, fast on the device). When it
+   applies step N+1 it subtracts r from the row's known tokens, and from the num_computed_tokens that step N+1
+   sends for a continuing (not resumed) request: vLLM's device correction `num_computed += query_len -
+   num_rejected`. Step N+1's positions, slots and seq_lens follow the corrected count; its known tokens are then
+   exact, and step N+2, scheduled after step N's verdict arrived, sends exact counts.
+3. Pending tokens. The input id of a step N+1 token at the position of a row's last token appended by step N's
+   record (its sample, or after accepted drafts the token sampled after them) is unknown to the host:
+   `BatchInputs.pending_token_indices` lists those flat indices and `pending_prev_batch_idx` the batch row of
+   step N that sampled each. `input_ids` holds the value (spec's pool has it; fast gathers it on the device).
+   Only a row that sampled in step N and still has its owner has one: a new request takes none, even on a row
+   whose previous owner sampled (the -1 placeholder of vLLM #37159 reached such requests).
+4. Windows are checked for every verdict. A step sent with k unverified drafts behind it starts, after the
+   correction, anywhere from num_computed - k to num_computed: its window's reads (checks 9 and 12) are checked
+   from the lowest of those starts, so no outcome reads a block the scheduler released on the optimistic count.
+5. Drafts after unverified drafts are refused (UnknownTokenError, check 8): their positions depend on a verdict
+   the host has not read. vLLM drafts such steps on the device, from the device's own count; slotmap models
+   drafts the scheduler sends.
+6. Late faults. record_sampled checks at once what the host knows without values (the batch, the ids' dtype and
+   shape). The checks of the values (spec/drafts.py's, in their order) are reported by the apply after next,
+   the first call whose host work may wait for step N's sampler without stalling the pipeline: that apply
+   raises spec's error for the first faulty row before it validates anything. The faulty record appends
+   PLACEHOLDER_TOKEN_ID (-1) for each taking row's 1 + k tokens, so a batch prepared before the report carries
+   -1, which no embedding lookup accepts, instead of a plausible stale id. After the report the pool goes on.
+
+A run in async order ends in the pool a synchronous run ends in: the tokens recorded, the counts corrected
+(`conformance/test_async.py` drives both on every backend and compares them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from spec.drafts import check_accepted
+from spec.errors import ScheduleError, UnknownTokenError
+from spec.state import PoolState
+from spec.types import INDEX_DTYPE, PLACEHOLDER_TOKEN_ID, SchedulerOutput, WorkerConfig
+
+REPORTED_AFTER = 2  # a record's faults are raised by the 2nd apply after it (rule 6)
+PENDING_FIELDS = ("pending_token_indices", "pending_prev_batch_idx")  # the BatchInputs fields of rule 3
+
+
+@dataclass(frozen=True)
+class LateFault:
+    """A record's fault, kept for the apply that reports it."""
+
+    error: ScheduleError
+    due: int  # the apply call (counted from 1) that raises it
+
+
+def record_ahead(
+    state: PoolState,
+    token_ids: np.ndarray,  # [R, max_model_len] the pool's tokens, appended to here
+    req_ids: tuple[str, ...],  # [n] batch order
+    rows: np.ndarray,  # [n] int64 batch_idx -> req_state_idx, as prepared
+    takes: np.ndarray,  # [n] bool: the row's step reached its last input token
+    tokens: np.ndarray,  # [n, width] each row's accepted tokens, then placeholders (spec.drafts.accepted_rows)
+    counts: np.ndarray,  # [n] tokens before each row's first placeholder
+    drafts: list[np.ndarray],  # [n] each batch row's drafts
+) -> tuple[np.ndarray, ScheduleError | None]:
+    """record_sampled's effect in async mode (rules 1 and 6): returns ([R] drafts rejected per row, the fault)."""
+    config = state.config
+    known = state.num_known_tokens[rows]  # [n] before the record
+    fault = first_fault(req_ids, takes, tokens, counts, drafts, known, config)
+    num_rejected = np.zeros(config.max_num_reqs, np.int64)  # [R]
+    state.sampled_in[:] = -1
+    for b in np.flatnonzero(takes):
+        row, k = rows[b], drafts[b].size
+        appended = tokens[b, : counts[b]] if fault is None else np.full(1 + k, PLACEHOLDER_TOKEN_ID)
+        end = min(int(known[b]) + appended.size, config.max_model_len)
+        token_ids[row, known[b] : end] = appended[: end - known[b]]
+        state.num_known_tokens[row] += 1 + k  # the scheduler's count: every draft assumed accepted
+        num_rejected[row] = 1 + k - appended.size
+        state.sampled_in[row] = b
+        state.num_unverified_drafts[row] = k
+    return num_rejected, fault
+
+
+def first_fault(
+    req_ids: tuple[str, ...],
+    takes: np.ndarray,  # [n] bool
+    tokens: np.ndarray,  # [n, width]
+    counts: np.ndarray,  # [n]
+    drafts: list[np.ndarray],  # [n]
+    known: np.ndarray,  # [n] known tokens of each row before the record
+    config: WorkerConfig,
+) -> ScheduleError | None:
+    """The error the synchronous record_sampled would raise for these ids (its first faulty taking row), or None."""
+    for b in np.flatnonzero(takes):
+        try:
+            check_accepted(req_ids[b], tokens[b], int(counts[b]), drafts[b], int(known[b]), config)
+        except ScheduleError as error:
+            return error
+    return None
+
+
+def correct_counts(
+    state: PoolState,
+    sched: SchedulerOutput,
+    freed_rows: np.ndarray,  # [f] req_state_idx the apply freed
+    num_rejected: np.ndarray,  # [R] drafts the last record rejected per row, cleared here
+) -> None:
+    """Rule 2, after the next apply's commit: the rejected drafts leave the known tokens, and the optimistic
+    num_computed_tokens of each continuing request that apply scheduled. A freed row's count went with it."""
+    num_rejected[freed_rows] = 0
+    continuing = [state.row_of[c.req_id] for c in sched.cached_requests if not c.resumed]
+    state.num_computed_tokens[continuing] -= num_rejected[continuing]
+    state.num_known_tokens -= num_rejected
+    num_rejected[:] = 0
+
+
+def check_no_drafts_after_unverified(state: PoolState, sched: SchedulerOutput) -> None:
+    """Rule 5 (check 8): a request whose last record's drafts are unverified on the host may not draft again."""
+    for req_id, value in sched.scheduled_spec_decode_tokens.items():
+        row = state.row_of.get(req_id)
+        if len(value) and row is not None and state.num_unverified_drafts[row]:
+            detail = f"drafts after {state.num_unverified_drafts[row]} drafts whose verdict the host has not read"
+            raise UnknownTokenError(req_id, "scheduled_spec_decode_tokens", detail)
+
+
+def lowest_start(state: PoolState, req_id: str, num_computed: int) -> int:
+    """Rule 4: the lowest position a step sent at `num_computed` may start from once the verdicts are in."""
+    row = state.row_of.get(req_id)  # a new request holds no row yet, and no unverified drafts
+    return num_computed if row is None else max(0, num_computed - int(state.num_unverified_drafts[row]))
+
+
+def pending_tokens(
+    sampled_in: np.ndarray,  # [num_reqs] batch order: the previous batch's batch_idx the row sampled in, or -1
+    num_known: np.ndarray,  # [num_reqs] batch order: known tokens, as the scheduler counts them
+    num_computed: np.ndarray,  # [num_reqs] batch order: num_computed_tokens, counted the same way
+    query_start_loc: np.ndarray,  # [num_reqs + 1]
+    num_scheduled: np.ndarray,  # [num_reqs]
+) -> tuple[np.ndarray, np.ndarray]:
+    """Rule 3: ([num_pending] flat token indices, [num_pending] the previous batch's batch_idx of each).
+
+    The last token's offset in the step, `num_known - 1 - num_computed`, is the same before and after the
+    correction (both counts drop by the rejected drafts), so a host that only has the optimistic counts finds it.
+    """
+    offset = num_known - 1 - num_computed  # [num_reqs]
+    pending = (sampled_in >= 0) & (offset >= 0) & (offset < num_scheduled)  # [num_reqs]
+    indices = query_start_loc[:-1][pending] + offset[pending]
+    return indices.astype(INDEX_DTYPE), sampled_in[pending].astype(INDEX_DTYPE)
