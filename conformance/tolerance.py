@@ -18,6 +18,18 @@ can avoid: half an ulp of the largest output is eps/2 * max|out|.
       stricter there, and the floor (from bfloat16's eps) carries the weight of the bound.
 Non-finite values in a backend's output always fail. Values that are exact by contract (padding rows
 are zero) are compared exactly by the caller, not through this rule.
+
+fp8 KV caches (spec/fp8.py). Two bounds, kept apart:
+  attention over an fp8 cache: the rule above, with dtype the query's dtype, ref64 = spec on the very
+      codes the backend read with a float64 query (so the keys and values are decode(code) * scale in
+      float64: exact), and low = spec in the query's dtype on the same codes. The quantization error is
+      not part of this comparison: both references read the quantized values.
+  write_kv into an fp8 cache: its codes must equal spec's exactly (an encode is defined bit for bit). How
+      far a stored value may be from what was written is the format's own bound, fp8_quantization_bound:
+      with y = float32(x) / float32(scale) (the quotient every backend encodes), |decode(code) - y| is at
+      most half the spacing of the format's values at |y| (2**(e - mantissa_bits - 1) for |y| in
+      [2**e, 2**(e+1)), e >= 1 - bias; below the smallest normal value, half the subnormal spacing), and
+      for |y| past the largest finite value M the stored value is sign(y) * M (saturation).
 """
 
 from __future__ import annotations
@@ -27,6 +39,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from spec.fp8 import Fp8Format, decode
 
 # The floor, in units of the dtype's machine epsilon (relative to max(1, max|ref64|)): the output's own
 # rounding (eps/2), plus about one eps each for the reassociated softmax denominator and the P.V sum,
@@ -92,3 +106,28 @@ def assert_attention_close(fast_out: Any, ref64: Any, low_precision_ref: Any, dt
         f"{dtype_name(dtype)}: max abs error {float(np.max(error)):.3e} at {worst} > bound {bound:.3e} "
         f"(spec in {dtype_name(dtype)}: {float(np.max(np.abs(low - ref), initial=0.0)):.3e})"
     )
+
+
+def fp8_quantization_bound(y: np.ndarray, fmt: Fp8Format) -> np.ndarray:  # same shape as y, float64
+    """Half the spacing of the format's values at |y| (the module docstring's bound for |y| <= max_value)."""
+    magnitude = np.abs(np.asarray(y, np.float64))
+    _, frexp_exponent = np.frexp(magnitude)  # magnitude = f * 2**frexp_exponent, f in [0.5, 1)
+    binade = np.maximum(frexp_exponent - 1, 1 - fmt.bias)
+    return np.ldexp(1.0, binade - fmt.mantissa_bits - 1)
+
+
+def assert_quantized_close(codes: np.ndarray, x: np.ndarray, scale: np.ndarray, fmt: Fp8Format) -> None:
+    """codes (uint8) hold x / scale within fp8_quantization_bound, or saturated; scale broadcasts over x.
+
+    NaN is left out: it encodes as NaN by definition, which the exact comparison with spec covers.
+    """
+    with np.errstate(over="ignore"):
+        y = (np.asarray(x, np.float32) / np.asarray(scale, np.float32)).astype(np.float64)
+    stored = decode(codes, fmt)
+    inside = np.abs(y) <= fmt.max_value
+    error = np.abs(stored - y)
+    bound = fp8_quantization_bound(y, fmt)
+    bad = inside & ~(error <= bound)
+    assert not bad.any(), f"{fmt.name}: |decode - x/scale| {error[bad][:3]} > half a spacing {bound[bad][:3]}"
+    saturated = ~inside & ~np.isnan(y)  # past the largest value, infinities included
+    assert np.array_equal(stored[saturated], np.copysign(fmt.max_value, y[saturated])), f"{fmt.name}: not saturated"

@@ -77,7 +77,7 @@ def decode_table(fmt: Fp8Format) -> np.ndarray:  # [256] float64: code -> value
         magnitude = np.where((codes & 0x7F) == 0x7F, np.nan, magnitude)
     else:  # IEEE: the top exponent is inf (mantissa 0) or NaN
         magnitude = np.where(exponent == top, np.where(mantissa == 0, np.inf, np.nan), magnitude)
-    return sign * magnitude
+    return np.copysign(magnitude, sign)  # the sign bit of NaNs too
 
 
 def decode(codes: np.ndarray, fmt: Fp8Format) -> np.ndarray:  # same shape as codes, float64
