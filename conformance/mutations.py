@@ -26,8 +26,8 @@ import numpy as np
 from conformance.malformed import CHECK_ONE, edit
 from conformance.malformed_mrope import MROPE_MALFORMATIONS
 from conformance.mutations_drafts import draft_fault_or
-from conformance.mutations_mamba import mamba_fault_or, resumable
 from conformance.mutations_encoder import cross_block_fault, encoder_length_fault, malformed_encoder_len
+from conformance.mutations_mamba import mamba_fault_or, resumable
 from spec.cross_attention import cross_group
 from spec.errors import (
     ALL_ERRORS,
