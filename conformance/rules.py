@@ -34,6 +34,7 @@ DRAFT_FAULTS = "conformance/test_drafts.py::test_every_draft_fault_is_provoked_a
 SAMPLED = "conformance/test_sampled_faults.py::test_every_sampled_fault_is_refused_identically"
 PIPELINE, BOUNDARIES = "conformance/test_pipeline.py", "conformance/test_boundaries.py"
 ERRORS = "conformance/test_errors.py"
+ASYNC = "conformance/test_async.py"
 AT_MAX_MODEL_LEN = f"{BOUNDARIES}::test_a_step_up_to_max_model_len_is_valid_and_its_sample_has_no_room"
 
 
@@ -379,6 +380,11 @@ RULES: tuple[Rule, ...] = (
     Rule(V, "plan_step", 'UnknownTokenError(s.req_id, "scheduled_spec_decode_tokens"',
          "a drafting step ends exactly at known + k", "k drafts on exactly 1 + k scheduled tokens", GENERATED,
          (DRAFT_FAULTS,)),
+    # check 8 under async scheduling (spec/async_steps.py, rule 5)
+    Rule("async_steps.py", "check_no_drafts_after_unverified", "UnknownTokenError(req_id",
+         "no drafts right after drafts whose verdict the host has not read",
+         f"{ASYNC}::test_async_runs_agree_with_spec_on_every_step",
+         f"{ASYNC}::test_drafts_right_after_unverified_drafts_are_refused", (ASYNC,)),
     # checks 9-13 (spec/validate.py, per group)
     Rule(V, "_check_block_ids", '"not a tuple, list', "block ids are integer ids",
          EVERY_STEP, GENERATED, (MALFORMATIONS,)),
