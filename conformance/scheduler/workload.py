@@ -21,6 +21,10 @@ class WorkloadRequest:
     prompt_token_ids: tuple[int, ...]  # 1 <= len <= max_model_len - max_new_tokens
     max_new_tokens: int  # >= 1: finishes after this many sampled tokens
     stop_token_ids: frozenset[int] = frozenset()  # also finishes when it samples one of these
+    encoder_len: int = 0  # encoder output tokens (conformance/scheduler/encoder.py; 0: a decoder-only model)
+    # a multimodal request's M-RoPE table [3][prompt_len] and delta (conformance/scheduler/mrope.py); None: text
+    mrope_positions: tuple[tuple[int, ...], ...] | None = None
+    mrope_position_delta: int = 0
 
 
 @dataclass(frozen=True)
