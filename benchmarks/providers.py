@@ -7,6 +7,7 @@ device) is skipped with the reason. Every call into a CUDA provider is followed 
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,7 +22,8 @@ import spec.slots
 from benchmarks.baselines.numpy_vectorised import NumpyVectorisedPool
 from benchmarks.baselines.python_lists import PythonListPool
 
-POOL_PROVIDERS = ("spec", "fast", "fast-cuda", "numpy-vectorised", "python-lists")
+# "-async": the same pool under async scheduling (spec/async_steps.py): record_sampled leaves the ids on the device
+POOL_PROVIDERS = ("spec", "fast", "fast-async", "fast-cuda", "numpy-vectorised", "python-lists")
 SLOT_PROVIDERS = ("spec", "fast", "numpy-vectorised", "python-lists")  # on CUDA, fast fuses slots into prepare
 KERNEL_PROVIDERS = ("spec", "fast", "fast-cuda")  # write_kv and the whole layer step
 ATTENTION_PROVIDERS = ("spec", "fast", "fast-cuda", "dense-sdpa", "dense-sdpa-cuda")
@@ -72,6 +74,14 @@ def get(name: str) -> Provider:
         if name.endswith("cuda"):
             _need_cuda()
         return Provider(name, "cuda" if name.endswith("cuda") else "cpu")
+    if name.endswith("-async"):
+        base = get(name.removesuffix("-async"))
+        make = base.make_pool
+        if make is None:
+            raise ValueError(f"{name}: {base.name} has no pool")
+        return dataclasses.replace(
+            base, name=name, make_pool=lambda config: make(dataclasses.replace(config, async_scheduling=True))
+        )
     if name in ("fast", "fast-cuda"):
         if name == "fast-cuda":
             _need_cuda()

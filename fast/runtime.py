@@ -107,3 +107,33 @@ class HostCopy:
 
 def start_host_copy(*tensors: torch.Tensor) -> HostCopy:
     return HostCopy(tensors)
+
+
+# Tensor methods and functions that make the host wait for the device on CUDA: their result (a Python value, a
+# host array, or a shape) depends on the device's values. Boolean-mask indexing counts too (its shape does).
+_HOST_SYNCS = frozenset(("item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__",
+                         "nonzero", "argwhere", "masked_select", "unique", "unique_consecutive"))  # fmt: skip
+
+
+class HostSyncCounter(torch.overrides.TorchFunctionMode):
+    """Counts the calls that would wait for the device on CUDA, on any device (so CPU tests can assert none).
+
+    On CUDA `torch.cuda.set_sync_debug_mode("error")` is the authority (scripts/gpu-check); this counter is its
+    portable stand-in: it sees the torch calls themselves, so a CPU run of the same code path counts the same.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = getattr(func, "__name__", str(func))
+        if name in _HOST_SYNCS or (name in ("__getitem__", "__setitem__", "index_put_") and _has_bool_index(args)):
+            self.calls.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def _has_bool_index(args: Any) -> bool:
+    indices = args[1] if len(args) > 1 else ()
+    flat = indices if isinstance(indices, tuple | list) else (indices,)
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in flat)

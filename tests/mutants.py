@@ -27,6 +27,7 @@ TARGETED = "conformance/test_targeted.py"
 CONTEXT_PARALLEL = "conformance/test_context_parallel.py"
 CP_RANKS = "conformance/test_context_parallel_ranks.py"
 CP_UNIT = "tests/test_context_parallel.py"
+ASYNC = "conformance/test_async.py"
 
 MUTANTS: tuple[Mutant, ...] = (
     Mutant(
@@ -148,5 +149,29 @@ MUTANTS: tuple[Mutant, ...] = (
         "    safe = np.where(empty, dtype(1), total)\n",
         "    safe = total\n",
         (CP_UNIT,),
+    ),
+    Mutant(
+        "async-rejected-drafts-uncorrected",
+        "async scheduling: the device takes the rejected drafts off the optimistic num_computed (vllm-ascend #14883)",
+        "fast/async_steps.py",
+        "            self.dev.num_computed[cont] -= self.num_rejected[cont]\n",
+        "",
+        (ASYNC,),
+    ),
+    Mutant(
+        "async-pending-token-for-a-new-owner",
+        "async scheduling: a new request on a retaken row has no pending token (vLLM #37159)",
+        "spec/state.py",
+        "            self.sampled_in[freed] = -1  # a new owner of the row has no pending token\n",
+        "",
+        (ASYNC,),
+    ),
+    Mutant(
+        "async-faulty-record-appended",
+        "async scheduling: a faulty record appends placeholders, never the faulty ids",
+        "fast/async_steps.py",
+        "values = torch.where(fault, torch.full_like(padded, PLACEHOLDER_TOKEN_ID), padded)",
+        "values = padded",
+        (ASYNC,),
     ),
 )
