@@ -138,6 +138,11 @@ def test_a_faulty_record_is_reported_by_the_apply_after_next(backend: BackendHan
     assert before[0].token_ids == (*PROMPT, 42, -1, 3)
 
 
+def test_async_scheduling_with_a_mamba_group_is_refused() -> None:
+    with pytest.raises(ValueError, match="async_scheduling with a mamba group"):
+        dataclasses.replace(CONFIG, kv_groups=(KVCacheGroup(16, 64), KVCacheGroup(64, 8, kind="mamba")))
+
+
 def test_async_runs_agree_with_spec_on_every_step(backend: BackendHandle, conformance_scale: float) -> None:
     budget = budget_for(backend, settings().max_examples, conformance_scale)
     optimistic = 0

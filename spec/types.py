@@ -122,6 +122,9 @@ class WorkerConfig:
         check_encoder_config(self.kv_groups, self.max_encoder_len)
         if not isinstance(self.async_scheduling, bool):
             raise ValueError(f"WorkerConfig.async_scheduling must be a bool, got {self.async_scheduling!r}")
+        if self.async_scheduling and any(g.kind == "mamba" for g in self.kv_groups):  # spec/async_steps.py
+            raise ValueError("WorkerConfig.async_scheduling with a mamba group is not modelled: its state index "
+                             "depends on the count the device corrects")  # fmt: skip
         if not isinstance(self.uses_mrope, bool):
             raise ValueError(f"WorkerConfig.uses_mrope must be a bool, got {self.uses_mrope!r}")
         if not all(isinstance(g, KVCacheGroup) for g in self.kv_groups):
