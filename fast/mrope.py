@@ -1,0 +1,111 @@
+"""M-RoPE positions on torch tensors: spec/mrope.py's rule, the tables stored where prepare reads them.
+
+Each row's table length and delta stay on the host (prepare gathers them per batch row and, under Triton,
+uploads them with the launch: `[2, num_reqs]`, no device state to keep in step). The tables themselves:
+- host mode: `[R, 3, max_model_len]` int64 NumPy zeros, which map untouched pages lazily (as spec's token
+  store), so memory follows the tables held; prepare is a compiled loop over them;
+- Triton: `[R, 3, capacity]` int64 on the device, `capacity` growing (doubling) with the longest table
+  held, never `max_model_len` up front: an engine-sized pool allocates nothing until a multimodal request
+  arrives; prepare is fast.kernels.mrope's one launch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from numba import njit
+
+from fast.kernels.mrope import mrope_positions_triton
+from fast.runtime import upload
+from spec.mrope import NUM_MROPE_ROWS, MRopeWrites
+from spec.types import BatchInputs, WorkerConfig
+
+_MIN_CAPACITY = 256
+
+
+class DeviceMRope:
+    def __init__(self, config: WorkerConfig, device: torch.device, host_mode: bool) -> None:
+        rows = config.max_num_reqs
+        self.config, self.device, self.host_mode = config, device, host_mode
+        self.lengths = np.zeros(rows, np.int64)  # [R] req_state_idx -> table columns (0: a text request)
+        self.deltas = np.zeros(rows, np.int64)  # [R] req_state_idx -> mrope_position_delta
+        self.capacity = config.max_model_len if host_mode else 0  # table columns held
+        # [R, 3, capacity] int64 req_state_idx -> position table (a view of tables_np in host mode)
+        self.tables_np = np.zeros((rows, NUM_MROPE_ROWS, self.capacity), np.int64) if host_mode else None
+        self.tables = (
+            torch.from_numpy(self.tables_np)
+            if self.tables_np is not None
+            else torch.zeros((rows, NUM_MROPE_ROWS, 0), dtype=torch.int64, device=device)
+        )
+
+    def commit(self, freed_rows: np.ndarray, writes: MRopeWrites | None) -> None:
+        """spec.mrope.MRopeRows.commit: finished rows lose their table, then the step's new tables are stored."""
+        self.lengths[freed_rows] = 0
+        self.deltas[freed_rows] = 0
+        if writes is None or not writes.rows.size:
+            return
+        starts = np.cumsum(writes.lengths) - writes.lengths  # [m] where each table begins in writes.tables
+        if self.tables_np is not None:
+            store_tables(self.tables_np, writes.rows, starts, writes.lengths, writes.tables)
+        else:
+            self._reserve(int(writes.lengths.max()))
+            packed = upload(writes.tables, self.device)  # [3, sum(lengths)] one copy for the step's tables
+            for row, start, n in zip(writes.rows.tolist(), starts.tolist(), writes.lengths.tolist(), strict=True):
+                self.tables[row, :, :n] = packed[:, start : start + n]
+        self.lengths[writes.rows] = writes.lengths
+        self.deltas[writes.rows] = writes.deltas
+
+    def _reserve(self, length: int) -> None:
+        if length <= self.capacity:
+            return
+        capacity = min(self.config.max_model_len, max(length, 2 * self.capacity, _MIN_CAPACITY))
+        grown = torch.zeros((self.config.max_num_reqs, NUM_MROPE_ROWS, capacity), dtype=torch.int64, device=self.device)
+        grown[:, :, : self.capacity] = self.tables
+        self.tables, self.capacity = grown, capacity
+
+    def positions(self, batch: BatchInputs, rows: np.ndarray) -> torch.Tensor:
+        """`[3, T]` int64 M-RoPE positions of a prepared batch (its positions, query_start_loc and rows)."""
+        out = torch.empty((NUM_MROPE_ROWS, batch.num_tokens_padded), dtype=torch.int64, device=self.device)
+        if self.tables_np is not None:
+            mrope_positions_host(
+                out.numpy(), batch.positions.numpy(), batch.query_start_loc.numpy(), rows,
+                self.tables_np, self.lengths, self.deltas,
+            )  # fmt: skip
+        else:
+            lengths_deltas = upload(np.stack([self.lengths[rows], self.deltas[rows]]), self.device)  # [2, num_reqs]
+            mrope_positions_triton(
+                out, batch.positions, batch.query_start_loc, batch.index_mapping, lengths_deltas, self.tables
+            )
+        return out
+
+
+@njit(cache=True, nogil=True)
+def store_tables(  # pragma: no cover - compiled; tested through the pool against spec
+    tables: np.ndarray,  # [R, 3, max_model_len] int64
+    rows: np.ndarray,  # [m] int64 req_state_idx
+    starts: np.ndarray,  # [m] int64 where each table begins in `packed`
+    lengths: np.ndarray,  # [m] int64 columns of each table
+    packed: np.ndarray,  # [3, sum(lengths)] int64 the tables side by side
+) -> None:
+    for i in range(rows.shape[0]):
+        for j in range(3):
+            tables[rows[i], j, : lengths[i]] = packed[j, starts[i] : starts[i] + lengths[i]]
+
+
+@njit(cache=True, nogil=True)
+def mrope_positions_host(  # pragma: no cover - compiled; tested through the pool against spec
+    out: np.ndarray,  # [3, T] int64, written
+    positions: np.ndarray,  # [T] int64 flat token index -> position
+    query_start_loc: np.ndarray,  # [num_reqs + 1] int32
+    rows: np.ndarray,  # [num_reqs] int64 batch_idx -> req_state_idx
+    tables: np.ndarray,  # [R, 3, max_model_len] int64
+    lengths: np.ndarray,  # [R] int64 req_state_idx -> table columns
+    deltas: np.ndarray,  # [R] int64 req_state_idx -> delta
+) -> None:
+    for b in range(rows.shape[0]):
+        row = rows[b]
+        for t in range(query_start_loc[b], query_start_loc[b + 1]):
+            p = positions[t]
+            for j in range(3):
+                out[j, t] = tables[row, j, p] if p < lengths[row] else p + deltas[row]
+    out[:, query_start_loc[rows.shape[0]] :] = 0

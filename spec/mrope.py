@@ -1,0 +1,163 @@
+"""M-RoPE positions: the three position rows (temporal, height, width) of a multimodal rotary embedding.
+
+A model with M-RoPE (WorkerConfig.uses_mrope, vLLM's `model_config.uses_mrope`: Qwen2-VL, Qwen2.5-VL)
+rotates each token by three positions instead of one. Its processor computes, once per request, a
+position table for the prompt, `[3, prompt_len]` (an image's tokens at the positions of their grid, text
+tokens with three equal rows), and a delta: how far the positions past the prompt lie from the plain
+ones (`max(table) + 1 - prompt_len`). A request brings both in `NewRequest.mrope_positions` and
+`NewRequest.mrope_position_delta`; its pool row keeps them until it finishes (preemption included, as
+vLLM's CachedRequestState), and each step cuts its columns out of them:
+
+    token at position p of a request with table M (prompt_len columns) and delta d:
+        p <  prompt_len:  mrope_positions[:, t] = M[:, p]     a prompt token, in whichever chunk it falls
+        p >= prompt_len:  mrope_positions[:, t] = p + d       decode, drafts, output recomputed after preemption
+    a request without a table (text):  all three rows p   (a table of 0 columns, delta 0)
+    padding tokens:                    0
+
+This is vLLM's `_calc_mrope_positions` (gpu_model_runner: the prompt part of a step copied from the
+request's table at `num_computed .. min(prompt_len, seq_len)`, the rest from
+`get_next_input_positions`, `arange(context_len, seq_len) + mrope_position_delta`), per token. Two
+consequences are the bug classes it rules out: a prompt's positions are the same under every chunking
+(each chunk reads the table at its own positions and ends where the chunk ends; the delta is the
+request's, never recomputed per chunk: vLLM PRs #10388, #10403), and a decode row beside prefill rows
+gets its real positions p + d, not empty or plain ones (SGLang PR #11330).
+
+Computing the table from image grids is the model processor's job (vLLM's `get_mrope_input_positions`),
+not slotmap's: slotmap stores the table it is given and cuts each step's positions from it.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from spec.errors import InconsistentSchedulerOutputError
+from spec.types import TOKEN_DTYPE, NewRequest, WorkerConfig, is_integral
+
+NUM_MROPE_ROWS = 3  # temporal, height, width
+# |delta| bound: p + delta stays inside int64 for every position p < max_model_len
+MAX_MROPE_DELTA = 2**62
+
+
+@dataclass(frozen=True)
+class MRopeWrites:
+    """One step's new M-RoPE tables, validated (a part of spec.state.StepPlan): what apply stores per row."""
+
+    rows: np.ndarray  # [m] int64 req_state_idx of the step's new requests that carry a table
+    lengths: np.ndarray  # [m] int64 columns of each table (its request's prompt length)
+    deltas: np.ndarray  # [m] int64 each request's mrope_position_delta
+    tables: np.ndarray  # [3, sum(lengths)] int64 the tables side by side, in `rows` order
+
+
+def check_mrope_inputs(new: NewRequest, config: WorkerConfig) -> None:
+    """Check 1 (spec/validate.py) for one new request's M-RoPE inputs: InconsistentSchedulerOutputError."""
+
+    def fail(field: str, detail: str) -> None:
+        raise InconsistentSchedulerOutputError(new.req_id, field, detail)
+
+    table, delta = new.mrope_positions, new.mrope_position_delta
+    if not config.uses_mrope and (table is not None or not is_integral(delta) or delta != 0):
+        fail("mrope_positions" if table is not None else "mrope_position_delta", "the model does not use M-RoPE")
+    if not is_integral(delta) or abs(int(delta)) >= MAX_MROPE_DELTA:
+        fail("mrope_position_delta", f"{delta!r}: needs an integer with |delta| < 2**62")
+    if table is None:
+        if delta != 0:
+            fail("mrope_position_delta", f"{delta} without a position table (a text request's rows are p)")
+        return
+    values = as_table(table)
+    if values is None:
+        fail("mrope_positions", f"not a [{NUM_MROPE_ROWS}, prompt_len] table of integer positions")
+        return
+    prompt_len = _length(new.prompt_token_ids)  # an unsized prompt is check 6's (TokenIdError)
+    if prompt_len is not None and values.shape[1] != prompt_len:
+        fail("mrope_positions", f"{values.shape[1]} columns for a prompt of {prompt_len} tokens")
+
+
+def as_table(value: object) -> np.ndarray | None:
+    """A position table as a `[3, n]` int64 array (a copy), or None if it is not one.
+
+    Accepted: a 2-D NumPy array of an integer dtype with 3 rows, or a tuple or list of 3 tuples or lists
+    of integers (`operator.index`) of one length. Values past int64 are not positions.
+    """
+    if isinstance(value, np.ndarray):
+        if value.ndim != 2 or value.shape[0] != NUM_MROPE_ROWS or (value.size and value.dtype.kind not in "iu"):
+            return None
+        if value.size and value.dtype.kind == "u" and int(value.max()) >= 2**63:
+            return None
+        return value.astype(np.int64)
+    if not isinstance(value, tuple | list) or len(value) != NUM_MROPE_ROWS:
+        return None
+    if not all(isinstance(row, tuple | list) for row in value) or len({len(row) for row in value}) != 1:
+        return None
+    try:
+        return np.array([[operator.index(v) for v in row] for row in value], np.int64).reshape(NUM_MROPE_ROWS, -1)
+    except (TypeError, OverflowError):
+        return None
+
+
+def _length(prompt: object) -> int | None:
+    if isinstance(prompt, tuple | list) or (isinstance(prompt, np.ndarray) and prompt.ndim == 1):
+        return len(prompt)
+    return None
+
+
+def mrope_writes(new_requests: Sequence[NewRequest], new_rows: Sequence[int]) -> MRopeWrites:
+    """The validated tables of a step's new requests (check 1 passed), frozen: later edits cannot reach them."""
+    carrying = [(row, new) for row, new in zip(new_rows, new_requests, strict=True) if new.mrope_positions is not None]
+    tables = [as_table(new.mrope_positions) for _, new in carrying]
+    return MRopeWrites(
+        rows=np.array([row for row, _ in carrying], np.int64),
+        lengths=np.array([t.shape[1] for t in tables if t is not None], np.int64),
+        deltas=np.array([int(new.mrope_position_delta) for _, new in carrying], np.int64),
+        tables=np.concatenate([np.zeros((NUM_MROPE_ROWS, 0), np.int64), *(t for t in tables if t is not None)], 1),
+    )
+
+
+class MRopeRows:
+    """Every row's position table and delta: the state M-RoPE positions are cut from."""
+
+    def __init__(self, config: WorkerConfig) -> None:
+        rows = config.max_num_reqs
+        # [R, 3, max_model_len] int64; np.zeros maps untouched pages lazily, so memory follows the tables held
+        self.tables = np.zeros((rows, NUM_MROPE_ROWS, config.max_model_len), np.int64)
+        self.lengths = np.zeros(rows, np.int64)  # [R] req_state_idx -> table columns (0: no table, a text request)
+        self.deltas = np.zeros(rows, np.int64)  # [R] req_state_idx -> mrope_position_delta
+
+    def commit(self, freed_rows: np.ndarray, writes: MRopeWrites | None) -> None:
+        """Finished rows lose their table (the next owner may be a text request), then new tables are stored."""
+        self.lengths[freed_rows] = 0  # [f] req_state_idx
+        self.deltas[freed_rows] = 0
+        if writes is None:
+            return
+        starts = np.cumsum(writes.lengths) - writes.lengths  # [m] where each table begins in writes.tables
+        for row, start, length in zip(writes.rows.tolist(), starts.tolist(), writes.lengths.tolist(), strict=True):
+            self.tables[row, :, :length] = writes.tables[:, start : start + length]
+        self.lengths[writes.rows] = writes.lengths
+        self.deltas[writes.rows] = writes.deltas
+
+    def positions(
+        self,
+        positions: np.ndarray,  # [T] int64 flat token index -> position in its request (0 for padding)
+        token_rows: np.ndarray,  # [num_tokens] int64 flat token index -> req_state_idx (not padded)
+    ) -> np.ndarray:
+        """`[3, T]` int64: the module docstring's rule for every real token, 0 for padding."""
+        return mrope_positions(positions, token_rows, self.tables, self.lengths, self.deltas)
+
+
+def mrope_positions(
+    positions: np.ndarray,  # [T] int64 flat token index -> position (0 for padding)
+    token_rows: np.ndarray,  # [num_tokens] int64 flat token index -> req_state_idx
+    tables: np.ndarray,  # [R, 3, max_model_len] int64 req_state_idx -> its position table
+    lengths: np.ndarray,  # [R] int64 req_state_idx -> table columns (its prompt length; 0 without a table)
+    deltas: np.ndarray,  # [R] int64 req_state_idx -> mrope_position_delta
+) -> np.ndarray:
+    num_tokens = token_rows.size
+    out = np.zeros((NUM_MROPE_ROWS, positions.size), TOKEN_DTYPE)  # [3, T] padding columns stay 0
+    p = positions[:num_tokens]  # [num_tokens]
+    out[:, :num_tokens] = p + deltas[token_rows]  # past the prompt (and without a table): p + delta on all rows
+    in_prompt = np.flatnonzero(p < lengths[token_rows])  # [k] flat indices of prompt tokens of a table
+    out[:, in_prompt] = tables[token_rows[in_prompt], :, p[in_prompt]].T  # [k, 3] -> [3, k]: column p of the table
+    return out
