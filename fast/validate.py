@@ -72,6 +72,8 @@ def plan_bulk_step(
         return None
     if num_new and set(map(type, new)) != {NewRequest}:
         return None
+    if num_new and any(r.encoder_len != 0 for r in new):  # an encoder on a decoder-only model: plan_step refuses it
+        return None
     if num_new and any(
         r.mrope_positions is not None or type(r.mrope_position_delta) is not int or r.mrope_position_delta for r in new
     ):
