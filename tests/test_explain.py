@@ -232,3 +232,17 @@ def test_a_drafting_step_shows_its_drafts_slots_and_logits_rows(backend: Backend
 def test_spec_tokens_without_a_seed_is_refused() -> None:
     result = CliRunner().invoke(app, ["explain", "--spec-tokens", "2"])
     assert result.exit_code != 0 and "--seed" in result.output
+
+
+def test_explain_async_lists_each_pending_token_at_its_requests_last_known_token(backend: BackendHandle) -> None:
+    view = seeded_step(backend, 3, 4, spec_tokens=2, async_scheduling=True)
+    batch, known = view.batch, {row.req_id: row.token_ids for row in view.snapshot}
+    starts = batch["query_start_loc"]
+    assert batch["pending_token_indices"].size  # seed 3's step 4 has one
+    for t in batch["pending_token_indices"].tolist():
+        req_id = batch["req_ids"][int(np.searchsorted(starts, t, side="right")) - 1]
+        assert batch["positions"][t] == len(known[req_id]) - 1  # its last known token: the step before sampled it
+        assert batch["input_ids"][t] == known[req_id][-1]
+    result = CliRunner().invoke(app, ["explain", "--seed", "3", "--step", "4", "--async", "--spec-tokens", "2"])
+    assert result.exit_code == 0 and "pending tokens" in result.output
+    assert CliRunner().invoke(app, ["explain", "--async"]).exit_code != 0  # the worked example is synchronous

@@ -74,6 +74,11 @@ def explain(
                      "pool's block of a group without a sliding window is the virtual block of N ranks' blocks)"),
     ] = 1,
     interleave: Annotated[int, typer.Option(min=1, help="with --cp: consecutive positions per rank's turn")] = 1,
+    async_scheduling: Annotated[
+        bool,
+        typer.Option("--async", help="with --seed: steps scheduled one ahead of the samples; shows the step's "
+                     "pending tokens, whose input id is the previous step's sample"),
+    ] = False,
 ) -> None:
     """Show one step in the four index spaces: state rows, batch, flat tokens, each token's path to its slot."""
     from conformance.backends import load_backend
@@ -81,6 +86,8 @@ def explain(
     from slotmap.pictures.explanation import explain_step
     from slotmap.pictures.terminal import render
 
+    if async_scheduling and seed is None:
+        raise typer.BadParameter("--async needs --seed (the worked example is synchronous)")
     if spec_tokens and seed is None:
         raise typer.BadParameter("--spec-tokens needs --seed (the worked example has no drafts)")
     handle = load_backend(backend)
@@ -88,12 +95,16 @@ def explain(
         if seed is None:
             view = steps.worked_example_step(handle, 2 if step is None else step, pad_to)
         else:
-            view = steps.seeded_step(handle, seed, step, pad_to, spec_tokens)
+            view = steps.seeded_step(handle, seed, step, pad_to, spec_tokens, async_scheduling)
     except ValueError as e:  # a step past the schedule, or a pad_to below the step's tokens
         raise typer.BadParameter(str(e)) from e
     ex = explain_step(view)
     console = Console()
     render(ex, console)
+    if async_scheduling:
+        from slotmap.pictures.terminal import render_pending
+
+        render_pending(view, console)
     if cp > 1 or interleave > 1:
         from slotmap.pictures.ranks import explain_ranks, render_ranks
 

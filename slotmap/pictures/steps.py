@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -80,20 +81,26 @@ def worked_example_step(backend: BackendHandle, step: int = 2, pad_to: int | Non
 
 
 def seeded_step(
-    backend: BackendHandle, seed: int, step: int | None = None, pad_to: int | None = None, spec_tokens: int = 0
+    backend: BackendHandle,
+    seed: int,
+    step: int | None = None,
+    pad_to: int | None = None,
+    spec_tokens: int = 0,
+    async_scheduling: bool = False,
 ) -> StepView:
     """Step `step` of a random workload run by the reference scheduler (same seed, same step, any backend).
 
     The model is faked: each batch row "samples" a token drawn from a generator seeded by `seed`.
     `pad_to` overrides the scheduler's padding bucket for the explained step. With `spec_tokens` the
-    scheduler drafts (random drafts, up to that many per request) and its rejection step keeps some.
+    scheduler drafts (random drafts, up to that many per request) and its rejection step keeps some. With
+    `async_scheduling` each step is sent one ahead (spec/async_steps.py): the batch lists its pending tokens.
     """
     from conformance.scheduler import ReferenceScheduler, SchedulerKnobs, make_workload
 
     step = SEEDED_DEFAULT_STEP if step is None else step
     if step < 1:
         raise ValueError(f"step must be >= 1, got {step}")
-    config = SEEDED_CONFIG
+    config = dataclasses.replace(SEEDED_CONFIG, async_scheduling=async_scheduling)
     workload = make_workload(seed, config, num_requests=6, max_arrival_step=3, max_new_tokens=8)
     knobs = SchedulerKnobs(max_chunk=12, pad_buckets=(8, 16, 24), spec_tokens=spec_tokens)
     sched = ReferenceScheduler(config, workload, knobs, seed=seed)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import numpy as np
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
 from slotmap.pictures.explanation import Explanation, TokenRow, group_label
+from slotmap.pictures.steps import StepView
 from spec.types import PAD_SLOT_ID
 
 
@@ -95,3 +97,19 @@ def render(ex: Explanation, console: Console) -> None:
 
 def _ends_request(ex: Explanation, t: TokenRow) -> bool:
     return t.batch_idx is not None and t.flat_idx + 1 == ex.query_start_loc[t.batch_idx + 1]
+
+
+def render_pending(view: StepView, console: Console) -> None:
+    """Async scheduling: the tokens whose input id is the previous step's sample (spec/async_steps.py)."""
+    indices, sources = view.batch["pending_token_indices"], view.batch["pending_prev_batch_idx"]
+    table = Table(title="pending tokens: input ids the host does not have yet (async scheduling)")
+    for column in ("flat token", "req_id", "position", "input id", "sampled by batch row of the step before"):
+        table.add_column(column, justify="right")
+    starts = view.batch["query_start_loc"]
+    for t, source in zip(indices.tolist(), sources.tolist(), strict=True):
+        b = int(np.searchsorted(starts, t, side="right")) - 1  # the batch row whose tokens hold t
+        position, token = int(view.batch["positions"][t]), int(view.batch["input_ids"][t])
+        table.add_row(str(t), view.batch["req_ids"][b], str(position), str(token), str(source))
+    console.print(table)
+    if not len(indices):
+        console.print("no pending token: no row of this step sampled in the step before")
