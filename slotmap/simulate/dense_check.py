@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from slotmap.tiny.engine import RequestRecord
-from slotmap.tiny.model import TinyDecoder, dense_logit_tolerance
+from slotmap.tiny.model import TinyDecoder, dense_logit_tolerance, sequence_mrope_positions
 
 
 @dataclass
@@ -34,7 +34,10 @@ class DenseCheck:
 
 
 def check_request(model: TinyDecoder, record: RequestRecord) -> DenseCheck:
-    dense = model.forward_dense(record.tokens, torch.float64).cpu()  # [L, vocab]
+    mrope = None
+    if model.config.mrope_section is not None:  # a model with M-RoPE: the sequence's three rows (spec/mrope.py)
+        mrope = sequence_mrope_positions(record.mrope_positions, record.mrope_position_delta, len(record.tokens))
+    dense = model.forward_dense(record.tokens, torch.float64, mrope).cpu()  # [L, vocab]
     tol = dense_logit_tolerance(dense, model.config)
     check = DenseCheck(record.req_id, len(record.tokens), 0, 0, 0.0, tol)
     for entry in record.logits:

@@ -17,7 +17,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -45,6 +45,8 @@ class RequestRecord:
     prompt: tuple[int, ...]
     tokens: list[int]  # prompt, then every sampled token, in order
     logits: list[LogitsRecord] = field(default_factory=list)
+    mrope_positions: Any = None  # a multimodal request's [3, prompt_len] M-RoPE table (spec/mrope.py); None: text
+    mrope_position_delta: int = 0
 
 
 @dataclass
@@ -120,7 +122,10 @@ class Engine:
         with self.timed("apply"):
             self.pool.apply(out)
         for new in out.new_requests:
-            self.requests[new.req_id] = RequestRecord(new.req_id, new.prompt_token_ids, list(new.prompt_token_ids))
+            self.requests[new.req_id] = RequestRecord(
+                new.req_id, new.prompt_token_ids, list(new.prompt_token_ids), [],
+                new.mrope_positions, new.mrope_position_delta,
+            )  # fmt: skip
         with self.timed("prepare"):
             batch = self.pool.prepare(out, pad_to)
         if before_model is not None:

@@ -37,6 +37,9 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rms_eps: float = 1e-6
     seed: int = 0
+    # M-RoPE (spec/mrope.py): the rotary frequency pairs read from the temporal, height and width position
+    # rows, in order (Qwen2-VL's mrope_section; they sum to head_dim // 2). None: plain RoPE at `positions`
+    mrope_section: tuple[int, int, int] | None = None
 
     @property
     def num_layers(self) -> int:
@@ -67,6 +70,8 @@ class TinyDecoder:
             raise ValueError(f"num_heads {config.num_heads} must be a multiple of num_kv_heads {config.num_kv_heads}")
         if max(config.layer_groups) >= len(kv_groups) or min(config.layer_groups) < 0:
             raise ValueError(f"layer_groups {config.layer_groups} name groups outside the {len(kv_groups)} KV groups")
+        if config.mrope_section is not None and sum(config.mrope_section) != config.head_dim // 2:
+            raise ValueError(f"mrope_section {config.mrope_section} must sum to head_dim // 2 = {config.head_dim // 2}")
         self.config = config
         self.kv_groups = tuple(kv_groups)
         self.windows = tuple(self.kv_groups[g].sliding_window for g in config.layer_groups)  # [num_layers]
@@ -89,6 +94,10 @@ class TinyDecoder:
         input_ids = kv.index_tensor(batch.input_ids)  # [T]
         positions = kv.index_tensor(batch.positions)  # [T]
         num_tokens = input_ids.shape[0]
+        if cfg.mrope_section is not None:  # the three M-RoPE rows instead (spec/mrope.py)
+            if batch.mrope_positions is None:
+                raise ValueError("mrope_section needs BatchInputs.mrope_positions (WorkerConfig.uses_mrope)")
+            positions = kv.index_tensor(batch.mrope_positions)  # [3, T]
         cos, sin = self._rope(positions, kv.dtype)
         x = embed[input_ids]  # [T, D]
         for layer_idx, (layer, window) in enumerate(zip(layers, self.windows, strict=True)):
@@ -107,14 +116,21 @@ class TinyDecoder:
         last = x[kv.index_tensor(batch.logits_indices).long()]  # [num_reqs, D]: only rows that sample
         return _rms_norm(last, final_norm, cfg.rms_eps) @ lm_head
 
-    def forward_dense(self, token_ids: Sequence[int], dtype: torch.dtype = torch.float64) -> torch.Tensor:
-        """Logits [L, vocab] at every position of one whole sequence, no cache: position p predicts token p+1."""
+    def forward_dense(
+        self, token_ids: Sequence[int], dtype: torch.dtype = torch.float64, mrope_positions: np.ndarray | None = None
+    ) -> torch.Tensor:
+        """Logits [L, vocab] at every position of one whole sequence, no cache: position p predicts token p+1.
+
+        With mrope_section, `mrope_positions` [3, L] are the rotary positions (sequence_mrope_positions)."""
         cfg = self.config
         embed, layers, final_norm, lm_head = self._weights(dtype)
         ids = torch.as_tensor(list(token_ids), dtype=torch.long, device=self.device)  # [L]
         length = ids.shape[0]
         positions = torch.arange(length, device=self.device)  # [L]
-        cos, sin = self._rope(positions, dtype)
+        if cfg.mrope_section is not None and mrope_positions is None:
+            raise ValueError("a model with mrope_section needs the sequence's mrope_positions [3, L]")
+        rotary = positions if cfg.mrope_section is None else torch.as_tensor(mrope_positions, device=self.device)
+        cos, sin = self._rope(rotary, dtype)
         x = embed[ids]
         group = cfg.num_heads // cfg.num_kv_heads
         for layer, window in zip(layers, self.windows, strict=True):
@@ -134,10 +150,16 @@ class TinyDecoder:
         return _rms_norm(x, final_norm, cfg.rms_eps) @ lm_head
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, hd/2] at `positions`, computed in float64 so both forwards see the same angles."""
+        """cos, sin [T, hd/2] at `positions` [T] (or M-RoPE's [3, T]: frequency pair i rotates by the row its
+        mrope_section gives it, as vLLM's MRotaryEmbedding), in float64 so both forwards see the same angles."""
         half = self.config.head_dim // 2
         inv_freq = self.config.rope_theta ** (-torch.arange(half, dtype=torch.float64, device=positions.device) / half)
-        angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]
+        if positions.dim() == 1:
+            angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]
+        else:
+            section = self.config.mrope_section or (half, 0, 0)
+            row_of_pair = torch.repeat_interleave(torch.arange(3, device=positions.device), torch.tensor(section))
+            angles = positions.to(torch.float64)[row_of_pair].T * inv_freq[None, :]  # [T, hd/2]
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
@@ -156,6 +178,14 @@ def dense_logit_tolerance(reference_logits: torch.Tensor, config: ModelConfig) -
     width = max(config.hidden_size, config.intermediate_size, config.num_heads * config.head_dim)
     scale = max(1.0, float(reference_logits.abs().max()))
     return 2.0 * FLOAT32_EPS * math.sqrt(width) * chained * scale
+
+
+def sequence_mrope_positions(table: object, delta: int, length: int) -> np.ndarray:
+    """[3, length] int64: a whole sequence's M-RoPE positions for the dense forward, from its request's table
+    (None for text) and delta: the table over the prompt, then p + delta on every row."""
+    prompt = np.zeros((3, 0), np.int64) if table is None else np.asarray(table, np.int64)
+    past = np.arange(prompt.shape[1], length, dtype=np.int64) + delta  # [length - prompt_len]
+    return np.concatenate([prompt, np.broadcast_to(past, (3, past.size))], axis=1)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
