@@ -73,7 +73,7 @@ def test_slots_lengths_and_positions_follow_the_round_robin_definition(layout, p
     )
 
 
-@pytest.mark.parametrize("mode", [False, True], ids=["torch", "interpret"])
+@pytest.mark.parametrize("mode", [False, True], ids=["host", "interpret"])
 def test_an_empty_batch_has_only_padding_on_every_rank(mode: bool) -> None:
     """A step that only finishes requests: no rows, maybe padded tokens; every slot PAD, every state empty."""
     cp = ContextParallel(2, 1)

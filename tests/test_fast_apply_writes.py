@@ -26,7 +26,7 @@ from fast.writes import StepWrites, apply_writes
 from spec.types import KVCacheGroup, WorkerConfig
 
 SPEC, FAST = BackendHandle("spec", spec), BackendHandle("fast", fast, to_numpy=to_numpy)
-MODES = [pytest.param(True, marks=[pytest.mark.interpret], id="interpret"), pytest.param(False, id="torch")]
+MODES = [pytest.param(True, marks=[pytest.mark.interpret], id="interpret"), pytest.param(False, id="host")]
 if not HAVE_TRITON:
     MODES = MODES[1:]
 

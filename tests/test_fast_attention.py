@@ -8,7 +8,6 @@ query rows are NaN too, and their output must be exactly zero.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,18 +20,9 @@ from hypothesis import strategies as st
 import spec
 from conformance.tolerance import as_float64, assert_attention_close, round_to, spec_in_dtype
 from fast.attention import paged_attention
-from fast.runtime import HAVE_TRITON, interpret
+from fast.runtime import interpret
 
-MODES = ["torch", pytest.param("interpret", marks=pytest.mark.interpret)]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-
-
-@pytest.fixture(params=MODES)
-def mode(request: pytest.FixtureRequest) -> Iterator[str]:
-    if request.param == "interpret" and not HAVE_TRITON:
-        pytest.skip("Triton is not installed on this platform")
-    with interpret(request.param == "interpret"):
-        yield request.param
 
 
 @dataclass

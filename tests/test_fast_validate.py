@@ -261,7 +261,7 @@ def _started_pools(config: WorkerConfig, first: SchedulerOutput) -> tuple[spec.R
     return spec_pool, fast_pool
 
 
-@pytest.mark.parametrize("kernels", [False, True], ids=["shared", "interpreted"])
+@pytest.mark.parametrize("kernels", [False, True], ids=["host", "interpreted"])
 def test_mixed_step_takes_the_bulk_path(kernels: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """New, finished and continuing requests in one step: no fallback, and spec's effect on the mirror and device."""
     config, first, _ = _two_decoding_requests()

@@ -1,8 +1,6 @@
-"""fast.write_kv against spec.write_kv, bit for bit, in both CPU modes (torch ops and Triton's interpreter)."""
+"""fast.write_kv against spec.write_kv, bit for bit, in both CPU modes (host mode and Triton's interpreter)."""
 
 from __future__ import annotations
-
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -15,16 +13,7 @@ from fast.kv_cache import write_kv
 from fast.runtime import HAVE_TRITON, interpret
 from spec.types import PAD_SLOT_ID
 
-MODES = ["torch", pytest.param("interpret", marks=pytest.mark.interpret)]
 _BITS = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
-
-
-@pytest.fixture(params=MODES)
-def mode(request: pytest.FixtureRequest) -> Iterator[str]:
-    if request.param == "interpret" and not HAVE_TRITON:
-        pytest.skip("Triton is not installed on this platform")
-    with interpret(request.param == "interpret"):
-        yield request.param
 
 
 def _bits(x: torch.Tensor) -> np.ndarray:

@@ -3,7 +3,7 @@ ValueError naming the argument, and give the same answer on non-finite inputs.""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -13,17 +13,6 @@ import torch
 import spec
 from fast.attention import paged_attention
 from fast.kv_cache import write_kv
-from fast.runtime import HAVE_TRITON, interpret
-
-MODES = ["torch", pytest.param("interpret", marks=pytest.mark.interpret)]
-
-
-@pytest.fixture(params=MODES)
-def mode(request: pytest.FixtureRequest) -> Iterator[str]:
-    if request.param == "interpret" and not HAVE_TRITON:
-        pytest.skip("Triton is not installed on this platform")
-    with interpret(request.param == "interpret"):
-        yield request.param
 
 
 def _kv_inputs() -> dict[str, Any]:

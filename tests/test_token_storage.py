@@ -10,7 +10,7 @@ import spec
 from fast.runtime import HAVE_TRITON, interpret
 from spec.types import MAX_VOCAB_SIZE, KVCacheGroup, NewRequest, SchedulerOutput, WorkerConfig
 
-MODES = [pytest.param(False, id="shared")]
+MODES = [pytest.param(False, id="host")]
 if HAVE_TRITON:
     MODES.append(pytest.param(True, id="interpret", marks=pytest.mark.interpret))
 
