@@ -99,7 +99,9 @@ def test_seeded_runs_exercise_every_feature() -> None:
             encoder_write=stats.encoder_writes,
             encoder_rewrite=stats.encoder_rewrites,
         )
+        multimodal: dict[str, int] = {}  # req_id -> prompt length of the requests with an M-RoPE table
         for out in outs:
+            _count_multimodal(seen, multimodal, out)
             tokens = list(out.num_scheduled_tokens.values())
             seen["mixed decode and prefill"] += 1 in tokens and any(n > 1 for n in tokens)
             seen["new request with computed tokens"] += any(r.num_computed_tokens > 0 for r in out.new_requests)
@@ -140,12 +142,34 @@ def test_seeded_runs_exercise_every_feature() -> None:
             "drafts_on_admission",
             "drafts_on_retaken_row",
             "drafts and plain decodes in one step",
+            "multimodal request",
+            "multimodal prompt in chunks",
+            "multimodal decode beside a prefill",
+            "multimodal request resumed",
             "encoder_write",
             "encoder_rewrite",
         )
         if not seen[f]
     ]
     assert not missing, f"never exercised: {missing} ({dict(seen)})"
+
+
+def _count_multimodal(seen: collections.Counter[str], multimodal: dict[str, int], out: SchedulerOutput) -> None:
+    """The M-RoPE situations of one output (spec/mrope.py): a table admitted, a later chunk of its prompt, its
+    decode row beside a prefill row, its resumption (the row's table recomputed)."""
+    tables = {r.req_id: len(r.prompt_token_ids) for r in out.new_requests if r.mrope_positions is not None}
+    multimodal.update(tables)
+    seen["multimodal request"] += bool(tables)
+    cached = [c for c in out.cached_requests if c.req_id in multimodal]
+    seen["multimodal prompt in chunks"] += any(
+        not c.resumed and c.num_computed_tokens < multimodal[c.req_id] for c in cached
+    )
+    counts = out.num_scheduled_tokens
+    seen["multimodal decode beside a prefill"] += any(
+        c.num_computed_tokens >= multimodal[c.req_id] and any(n > 1 for r, n in counts.items() if r != c.req_id)
+        for c in cached
+    )
+    seen["multimodal request resumed"] += any(c.resumed for c in cached)
 
 
 def test_same_seed_same_schedule() -> None:
