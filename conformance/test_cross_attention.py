@@ -276,3 +276,35 @@ def test_cross_attention_refuses_inputs_outside_its_contract(backend: BackendHan
     x["encoder_seq_lens"] = np.array([7, 12], np.int32)  # two rows, three in the table
     with pytest.raises(ValueError, match="cross_attention"):
         cross(*(backend.asarray(a) for a in x.values()), scale=1.0)
+
+
+def test_sglang_layout_puts_the_encoder_first_and_decoder_position_p_at_encoder_len_plus_p(
+    backend: BackendHandle,
+) -> None:
+    """A's row: its 6 encoder slots 40..45, then its decoder tokens' slots 4, 5, 6 (block 1); after a decode,
+    position 3 (slot 7) is column 6 + 3 = 9, and last_loc reads it there, not at column seq_len - 1 = 3 (slot 43)."""
+    interop = getattr(backend.module, "interop", None)
+    if interop is None:
+        pytest.skip(f"{backend.name} has no interop functions")
+    config, pad = _config(), -1
+    pool = backend.make_pool(config)
+    new = NewRequest("A", (1, 2, 3), ((1,), (10, 11)), encoder_len=6)
+    first = SchedulerOutput(new_requests=(new,), num_scheduled_tokens={"A": 3})
+    pool.apply(first)
+    layout = interop.sglang_layout(pool.prepare(first), config, 0)
+    row = backend.to_numpy(layout.req_to_token)[0]
+    assert row.shape == (40 + 32,)
+    assert row[:10].tolist() == [40, 41, 42, 43, 44, 45, 4, 5, 6, pad]
+    assert backend.to_numpy(layout.last_loc).tolist() == [6]
+    assert backend.to_numpy(layout.encoder_cached).tolist() == [False]
+    assert backend.to_numpy(layout.encoder_out_cache_loc).tolist() == [40, 41, 42, 43, 44, 45]
+    pool.record_sampled(pool.prepare(first), backend.asarray(np.array([9])))
+    decode = SchedulerOutput(cached_requests=(CachedRequest("A", 3),), num_scheduled_tokens={"A": 1})
+    pool.apply(decode)
+    layout = interop.sglang_layout(pool.prepare(decode), config, 0)
+    assert backend.to_numpy(layout.req_to_token)[0][6:11].tolist() == [4, 5, 6, 7, pad]
+    assert backend.to_numpy(layout.last_loc).tolist() == [7]
+    assert backend.to_numpy(layout.encoder_lens).tolist() == [6]
+    assert backend.to_numpy(layout.encoder_cached).tolist() == [True]
+    with pytest.raises(ValueError, match="cross group"):
+        interop.sglang_layout(pool.prepare(decode), config, 1)

@@ -225,3 +225,23 @@ def test_v2_row_policy_hands_out_the_most_recently_freed_row() -> None:
     policy.apply(SchedulerOutput(new_requests=(new[3],)))
     assert policy.row_of["d"] == 2  # slotmap's pool would give row 0, the lowest free one
     assert policy.index_mapping(["b", "d"]).tolist() == [1, 2]
+
+
+def test_sglang_puts_the_encoder_first_and_finds_each_rows_last_token(backend: BackendHandle) -> None:
+    """Encoder-decoder scenarios (spec/cross_attention.py): the backend's layout equals spec's, and each row's
+    last_loc is its last token's slot: column encoder_len + seq_len - 1, not seq_len - 1 (SGLang PR #39040)."""
+    interop = interop_of(backend)
+    drawn = [random_scenario(seed, encoder_decoder=True) for seed in range(40)]
+    scenarios = [s for s in drawn if any(g.kind == "cross_attention" for g in s.config.kv_groups)]
+    scenarios = scenarios[: 2 if backend.slow else 8]
+    assert scenarios
+    for scenario in scenarios:
+        config = scenario.config
+        decoder = [g for g, group in enumerate(config.kv_groups) if group.kind == "attention"]
+        for _out, ref_batch, batch in _drive(scenario, backend, 8 if backend.slow else 60):
+            last = np.asarray(ref_batch.query_start_loc)[1:] - 1  # [num_reqs] flat index of each row's last token
+            for g in decoder:
+                want = spec.interop.sglang_layout(ref_batch, config, g)
+                _assert_same(f"seed {scenario.seed}, group {g}: sglang", want, interop.sglang_layout(batch, config, g),
+                             backend)  # fmt: skip
+                assert want.last_loc.tolist() == np.asarray(ref_batch.slot_mappings[g])[last].tolist()
