@@ -28,6 +28,8 @@ CONTEXT_PARALLEL = "conformance/test_context_parallel.py"
 CP_RANKS = "conformance/test_context_parallel_ranks.py"
 CP_UNIT = "tests/test_context_parallel.py"
 ASYNC = "conformance/test_async.py"
+CROSS = "conformance/test_cross_attention.py"
+MROPE = "conformance/test_mrope.py"
 
 MUTANTS: tuple[Mutant, ...] = (
     Mutant(
@@ -173,5 +175,93 @@ MUTANTS: tuple[Mutant, ...] = (
         "values = torch.where(fault, torch.full_like(padded, PLACEHOLDER_TOKEN_ID), padded)",
         "values = padded",
         (ASYNC,),
+    ),
+    Mutant(
+        "mrope-chunk-read-from-column-0",
+        "M-RoPE: a chunk reads the table at its own positions, cut at its end (vLLM PRs #10388/#10403)",
+        "fast/mrope.py",
+        "out[j, t] = tables[row, j, p] if p < lengths[row] else p + deltas[row]",
+        "out[j, t] = tables[row, j, t - query_start_loc[b]] if p < lengths[row] else p + deltas[row]",
+        (MROPE,),
+    ),
+    Mutant(
+        "mrope-chunk-past-the-prompt-reads-the-table",
+        "M-RoPE: each token past the prompt is p + delta, in a chunk that starts inside the prompt too",
+        "fast/mrope.py",
+        "out[j, t] = tables[row, j, p] if p < lengths[row] else p + deltas[row]",
+        "out[j, t] = tables[row, j, p] if positions[query_start_loc[b]] < lengths[row] else p + deltas[row]",
+        (MROPE,),
+    ),
+    Mutant(
+        "mrope-decode-rows-plain-positions",
+        "M-RoPE: decode rows in a mixed batch get p + delta, not plain positions (SGLang PR #11330)",
+        "fast/kernels/mrope.py",
+        "tl.where(in_table, column, position + delta)",
+        "tl.where(in_table, column, position)",
+        (MROPE,),
+    ),
+    Mutant(
+        "spec-mrope-decode-rows-empty",
+        "M-RoPE: decode rows in a mixed batch get p + delta, not empty positions (SGLang PR #11330)",
+        "spec/mrope.py",
+        "    out[:, :num_tokens] = p + deltas[token_rows]  # past the prompt",
+        "    out[:, :0] = p[:0]  # past the prompt",
+        (MROPE,),
+    ),
+    Mutant(
+        "cross-slots-for-encoders-that-do-not-run",
+        "cross-attention: the cross slot mapping covers only the rows whose encoder runs (a step from position 0)",
+        "fast/cross_attention.py",
+        "scheduled = np.where(state.num_computed_tokens[index_mapping] == 0, lens, 0)",
+        "scheduled = lens",
+        (CROSS,),
+    ),
+    Mutant(
+        "spec-cross-slots-for-encoders-that-do-not-run",
+        "cross-attention: the cross slot mapping covers only the rows whose encoder runs (a step from position 0)",
+        "spec/cross_attention.py",
+        "runs = (lens > 0) & (num_computed[index_mapping] == 0)",
+        "runs = lens > 0",
+        (CROSS,),
+    ),
+    Mutant(
+        "spec-cross-slots-not-cut-to-encoder-len",
+        "cross-attention: block_ids[:cdiv(L, bs)] * bs + arange, cut to L",
+        "spec/cross_attention.py",
+        ".reshape(-1)[:encoder_len]",
+        ".reshape(-1)",
+        (CROSS,),
+    ),
+    Mutant(
+        "cross-slots-not-cut-to-encoder-len",
+        "cross-attention: block_ids[:cdiv(L, bs)] * bs + arange, cut to L",
+        "fast/cross_attention.py",
+        "which, within = ranges(scheduled)",
+        "which, within = ranges(-(-scheduled // block_size) * block_size)",
+        (CROSS,),
+    ),
+    Mutant(
+        "sglang-last-loc-at-seq-len",
+        "SGLang layout: decoder position p is at column encoder_len + p (SGLang PR #39040)",
+        "fast/interop/sglang.py",
+        "last_loc=filled.gather(1, (encoder_lens + seq_lens - 1)[:, None]).squeeze(1),",
+        "last_loc=filled.gather(1, (seq_lens - 1)[:, None]).squeeze(1),",
+        (CROSS, "conformance/test_interop.py"),
+    ),
+    Mutant(
+        "spec-sglang-last-loc-at-seq-len",
+        "SGLang layout: decoder position p is at column encoder_len + p (SGLang PR #39040)",
+        "spec/interop/sglang.py",
+        "last_loc=req_to_token[rows, encoder_lens + seq_lens - 1],",
+        "last_loc=req_to_token[rows, seq_lens - 1],",
+        (CROSS, "conformance/test_interop.py"),
+    ),
+    Mutant(
+        "cross-attention-causal",
+        "cross-attention: every decoder query sees all L encoder keys, no causal mask",
+        "fast/encoder_attention.py",
+        "lens.clamp(min=1).to(encoder_seq_lens.dtype),",  # a row's query i of n sees its first L - (n - 1 - i) keys
+        "(lens - (ends[row] - 1 - tokens)).clamp(min=1).to(encoder_seq_lens.dtype),",
+        (CROSS,),
     ),
 )
