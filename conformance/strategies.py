@@ -24,6 +24,7 @@ from conformance.scenario import (
     Scenario,
     cache_elements,
     min_blocks,
+    with_fp8_draw,
 )
 from conformance.scheduler import RequestShape, SchedulerKnobs, Workload, WorkloadShape, build_workload
 from conformance.scheduler.allocator import ALLOCATION_ORDERS
@@ -115,7 +116,7 @@ def scheduler_knobs(draw: st.DrawFn, config: WorkerConfig) -> SchedulerKnobs:
 
 
 def attention_specs() -> st.SearchStrategy[AttentionSpec]:
-    return st.builds(
+    plain = st.builds(
         AttentionSpec,
         num_kv_heads=st.integers(1, 2),
         num_queries_per_kv=st.integers(1, 2),
@@ -123,6 +124,7 @@ def attention_specs() -> st.SearchStrategy[AttentionSpec]:
         dtype=st.sampled_from(ATTENTION_DTYPES),
         softcap=st.none() | st.just(5.0),
     )
+    return st.tuples(plain, st.randoms(use_true_random=False)).map(lambda drawn: with_fp8_draw(*drawn))
 
 
 @st.composite
@@ -145,6 +147,8 @@ def scenarios(
     knobs = draw(scheduler_knobs(config))
     if hybrid and draw(st.integers(0, 2)) == 0:  # a hybrid model: a mamba group too (spec/mamba.py)
         config = with_mamba_group(config, knobs, random.Random(draw(st.integers(0, 2**32 - 1))))
+    elif draw(st.integers(0, 3)) == 0:  # steps scheduled one ahead of the samples (spec/async_steps.py)
+        config = replace(config, async_scheduling=True)
     attention: AttentionSpec | None = draw(attention_specs())
     if attention is not None and cache_elements(config, attention) > KV_CACHE_ELEMENT_LIMIT:
         attention = None

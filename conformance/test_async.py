@@ -153,3 +153,15 @@ def test_async_runs_agree_with_spec_on_every_step(backend: BackendHandle, confor
         drive(run, budget.max_steps)
         optimistic += run.sched.stats.optimistic_counts
     assert optimistic > 0, "no step was sent with an optimistic count"
+
+
+def test_a_refused_output_in_between_moves_no_clock(backend: BackendHandle) -> None:
+    # A refused output between the drafting record and the step sent ahead of its verdict: that step is still
+    # validated on the optimistic count (8 known), and the correction still applies to it.
+    pool = _prefill(backend)
+    _drafting_step(backend, pool, [7, 9])
+    with pytest.raises(UnknownTokenError):  # 2 tokens from 8: position 9 is not known even optimistically
+        pool.apply(SchedulerOutput(cached_requests=(CachedRequest("a", 8),), num_scheduled_tokens={"a": 2}))
+    out = SchedulerOutput(cached_requests=(CachedRequest("a", 8),), num_scheduled_tokens={"a": 1})
+    pool.apply(out)
+    assert backend.batch_to_numpy(pool.prepare(out))["positions"].tolist() == [7]

@@ -28,7 +28,7 @@ from spec.types import PLACEHOLDER_TOKEN_ID, WorkerConfig
 class _Record:
     """One record_sampled in flight: what the host needs of it once its copy is read."""
 
-    at: int  # the apply count when it was recorded; read by apply at + REPORTED_AFTER
+    at: int  # the steps applied when it was recorded; read by the first apply after at + REPORTED_AFTER
     req_ids: tuple[str, ...]  # [m] the taking rows' requests
     rows: np.ndarray  # [m] int64 req_state_idx of the taking rows
     num_drafts: np.ndarray  # [m] int64 their drafts
@@ -53,7 +53,7 @@ class AheadState:
     def record(
         self,
         state: PoolState,  # the host mirror: optimistic counts (spec/async_steps.py, rule 1)
-        applies: int,
+        applied_steps: int,
         req_ids: tuple[str, ...],  # [n] batch order
         rows: np.ndarray,  # [n] int64 batch_idx -> req_state_idx, as prepared
         takes: np.ndarray,  # [n] bool, from host counts
@@ -84,7 +84,7 @@ class AheadState:
         self.num_rejected[row_t] = torch.from_numpy(1 + k).to(device) - written
         copy = start_host_copy(written, known, tokens, fault.reshape(1))
         taking_ids = tuple(req_ids[b] for b in taking)
-        self.in_flight.append(_Record(applies, taking_ids, rows[taking], k, drafts, copy, one_per_row))
+        self.in_flight.append(_Record(applied_steps, taking_ids, rows[taking], k, drafts, copy, one_per_row))
 
     def _append(
         self,
@@ -156,9 +156,9 @@ class AheadState:
             if record.continuing is None:
                 record.continuing = continuing
 
-    def read_due(self, state: PoolState, applies: int, shares_computed: bool) -> None:
-        """At an apply: read the copies of records REPORTED_AFTER applies old; correct the mirror; raise a fault."""
-        while self.in_flight and self.in_flight[0].at + REPORTED_AFTER <= applies:
+    def read_due(self, state: PoolState, applied_steps: int, shares_computed: bool) -> None:
+        """At an apply: read the copies of records REPORTED_AFTER steps old; correct the mirror; raise a fault."""
+        while self.in_flight and self.in_flight[0].at + REPORTED_AFTER <= applied_steps:
             record = self.in_flight.pop(0)
             written, known, tokens, fault = record.copy.wait()
             rejected = 1 + record.num_drafts - written  # [m]

@@ -77,14 +77,13 @@ class RequestStatePool:
         self._prepared_rows_np = np.zeros(0, np.int64)  # [num_reqs] its batch_idx -> req_state_idx
         self._prepared_seq_lens_np = np.zeros(0, np.int64)  # [num_reqs] its seq_lens
         self._prepared_drafts: tuple[np.ndarray, np.ndarray] | None = None  # its batch_drafts; None: none
-        self._applies = 0  # apply calls so far: the clock of async scheduling's late reads (spec/async_steps.py)
+        self._applied_steps = 0  # outputs applied: the clock of async scheduling's late reads (spec/async_steps.py)
         self.ahead = AheadState(config, self.dev) if config.async_scheduling else None
 
     # ---- apply -------------------------------------------------------------------------------------
     def apply(self, sched: SchedulerOutput) -> None:
-        self._applies += 1
-        if self.ahead is not None:  # the copies of records two applies old: the mirror learns their verdicts
-            self.ahead.read_due(self.state, self._applies, shares_computed=self.host_mode)
+        if self.ahead is not None:  # the copies of records a step old: the mirror learns their verdicts
+            self.ahead.read_due(self.state, self._applied_steps, shares_computed=self.host_mode)
         # spec's plan_step decides async steps the bulk path does not model (spec/async_steps.py): drafts after
         # unverified ones (rule 5), and windows checked from the lowest start a verdict may give (rule 4)
         bulk = self.ahead is None or not (sched.scheduled_spec_decode_tokens or self.state.num_unverified_drafts.any())
@@ -92,6 +91,7 @@ class RequestStatePool:
         if plan is None:
             plan = plan_step(self.state, sched)  # raises spec's error, or accepts what the bulk path left to it
         self._commit(plan)
+        self._applied_steps += 1
         self._applied, self._plan, self._prepared = sched, plan, None
 
     def _commit(self, plan: StepPlan) -> None:
@@ -205,7 +205,7 @@ class RequestStatePool:
         num_drafts, draft_ids = self._prepared_drafts or (np.zeros(rows.size, np.int64), np.zeros(0, np.int64))
         takes = seq_lens == state.num_known_tokens[rows] + num_drafts  # [num_reqs] the step reached its last input
         args = (batch.req_ids, rows, takes, num_drafts, draft_ids, sampled.to(self.device))
-        self.ahead.record(state, self._applies, *args)  # type: ignore[union-attr]
+        self.ahead.record(state, self._applied_steps, *args)  # type: ignore[union-attr]
         self._prepared = None
 
     def _equals_prepared(self, batch: BatchInputs) -> bool:

@@ -27,9 +27,11 @@ on the device. What changes, rule by rule (docs/semantics.md, "Async scheduling"
    the host has not read. vLLM drafts such steps on the device, from the device's own count; slotmap models
    drafts the scheduler sends.
 6. Late faults. record_sampled checks at once what the host knows without values (the batch, the ids' dtype and
-   shape). The checks of the values (spec/drafts.py's, in their order) are reported by the apply after next,
-   the first call whose host work may wait for step N's sampler without stalling the pipeline: that apply
-   raises spec's error for the first faulty row before it validates anything. The faulty record appends
+   shape). The checks of the values (spec/drafts.py's, in their order) are reported by the first apply after
+   step N+1 was applied (the apply after next, unless an output was refused in between): the first call whose
+   host work may wait for step N's sampler without stalling the pipeline. It raises spec's error for the first
+   faulty row before it validates anything. The clock is steps applied, not calls: a refused output in between
+   changes nothing, so step N+1 is always validated on the optimistic count. The faulty record appends
    PLACEHOLDER_TOKEN_ID (-1) for each taking row's 1 + k tokens, so a batch prepared before the report carries
    -1, which no embedding lookup accepts, instead of a plausible stale id. After the report the pool goes on.
 
@@ -48,7 +50,7 @@ from spec.errors import ScheduleError, UnknownTokenError
 from spec.state import PoolState
 from spec.types import INDEX_DTYPE, PLACEHOLDER_TOKEN_ID, SchedulerOutput, WorkerConfig
 
-REPORTED_AFTER = 2  # a record's faults are raised by the 2nd apply after it (rule 6)
+REPORTED_AFTER = 1  # steps applied after a record before an apply reports its faults (rule 6)
 PENDING_FIELDS = ("pending_token_indices", "pending_prev_batch_idx")  # the BatchInputs fields of rule 3
 
 

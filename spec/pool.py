@@ -52,16 +52,16 @@ class RequestStatePool:
         self._prepared_rows = (np.zeros(0, np.int64), np.zeros(0, np.int64))  # its index_mapping and seq_lens
         self._prepared_drafts: list[np.ndarray] = []  # [num_reqs] its drafts per batch row
         # async scheduling (spec/async_steps.py): what the host learns of each record one step late
-        self._applies = 0  # apply calls so far, rejected ones included: the clock late faults are due by
+        self._applied_steps = 0  # outputs applied so far: the clock late faults are due by
         self._late_faults: list[LateFault] = []
         self._num_rejected = np.zeros(config.max_num_reqs, np.int64)  # [R] drafts the last record rejected
 
     def apply(self, sched: SchedulerOutput) -> None:
-        self._applies += 1
-        if self._late_faults and self._late_faults[0].due <= self._applies:  # async: a record's fault, reported now
+        if self._late_faults and self._late_faults[0].due <= self._applied_steps:  # async: a late fault
             raise self._late_faults.pop(0).error
         plan = plan_step(self.state, sched)  # raises before anything below runs
         self.state.commit(plan)
+        self._applied_steps += 1
         if self.config.async_scheduling:
             correct_counts(self.state, sched, plan.freed_rows, self._num_rejected)
         if self.mrope is not None:
@@ -157,7 +157,7 @@ class RequestStatePool:
             args = (batch.req_ids, rows, takes, tokens, counts, drafts)
             self._num_rejected, fault = record_ahead(self.state, self.token_ids, *args)
             if fault is not None:
-                self._late_faults.append(LateFault(fault, self._applies + REPORTED_AFTER))
+                self._late_faults.append(LateFault(fault, self._applied_steps + REPORTED_AFTER))
             return
         for b in np.flatnonzero(takes):
             check_accepted(batch.req_ids[b], tokens[b], int(counts[b]), drafts[b], int(known[b]), self.config)
