@@ -79,6 +79,16 @@ def explain(
         typer.Option("--async", help="with --seed: steps scheduled one ahead of the samples; shows the step's "
                      "pending tokens, whose input id is the previous step's sample"),
     ] = False,
+    encoder_decoder: Annotated[
+        bool,
+        typer.Option(help="with --seed: an encoder-decoder model; shows each request's encoder length and the "
+                     "cross-attention slots its encoder output is written to on its first step"),
+    ] = False,
+    mrope: Annotated[
+        bool,
+        typer.Option("--mrope", help="with --seed: a multimodal model with M-RoPE; shows each token's three "
+                     "position rows (temporal, height, width) and whether they come from its table or p + delta"),
+    ] = False,
 ) -> None:
     """Show one step in the four index spaces: state rows, batch, flat tokens, each token's path to its slot."""
     from conformance.backends import load_backend
@@ -90,17 +100,35 @@ def explain(
         raise typer.BadParameter("--async needs --seed (the worked example is synchronous)")
     if spec_tokens and seed is None:
         raise typer.BadParameter("--spec-tokens needs --seed (the worked example has no drafts)")
+    if encoder_decoder and seed is None:
+        raise typer.BadParameter("--encoder-decoder needs --seed (the worked example is decoder-only)")
+    if mrope and seed is None:
+        raise typer.BadParameter("--mrope needs --seed (the worked example has no position tables)")
     handle = load_backend(backend)
     try:
         if seed is None:
             view = steps.worked_example_step(handle, 2 if step is None else step, pad_to)
         else:
-            view = steps.seeded_step(handle, seed, step, pad_to, spec_tokens, async_scheduling)
+            view = steps.seeded_step(
+                handle, seed, step, pad_to, spec_tokens, async_scheduling, encoder_decoder, mrope=mrope
+            )
     except ValueError as e:  # a step past the schedule, or a pad_to below the step's tokens
         raise typer.BadParameter(str(e)) from e
     ex = explain_step(view)
     console = Console()
     render(ex, console)
+    if encoder_decoder:
+        from slotmap.pictures.cross import explain_cross, render_cross
+
+        cross = explain_cross(view)
+        if cross is not None:
+            render_cross(cross, console)
+    if mrope:
+        from slotmap.pictures.mrope import explain_mrope, render_mrope
+
+        tokens = explain_mrope(view)
+        if tokens is not None:
+            render_mrope(tokens, console)
     if async_scheduling:
         from slotmap.pictures.terminal import render_pending
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from slotmap.pictures.steps import StepView
+from spec.types import PAD_SLOT_ID
 
 # One colour per request (matplotlib's tab10), shared by the terminal and the pictures.
 PALETTE = (
@@ -53,10 +54,11 @@ class Address:
     physical_block: int  # block_tables[g][batch_idx, logical_block], as the backend gathered it
     slot: int  # slot_mappings[g][flat index], as the backend computed it
     block_size: int
+    writes: bool = True  # False in a cross_attention group: decoder tokens write none of its slots (PAD_SLOT_ID)
 
     @property
     def consistent(self) -> bool:
-        return self.slot == self.physical_block * self.block_size + self.offset
+        return self.slot == (self.physical_block * self.block_size + self.offset if self.writes else PAD_SLOT_ID)
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,7 @@ class TokenRow:
 class GroupInfo:
     block_size: int
     sliding_window: int | None
+    kind: str = "attention"  # spec.types.GROUP_KINDS
 
 
 @dataclass(frozen=True)
@@ -129,7 +132,8 @@ def explain_step(view: StepView) -> Explanation:
         for g, group in enumerate(groups):
             logical, offset = divmod(position, group.block_size)
             physical = int(batch["block_tables"][g][b, logical])
-            addresses.append(Address(logical, offset, physical, slots[g], group.block_size))
+            writes = group.kind != "cross_attention"  # the encoder's slots are slotmap/pictures/cross.py's
+            addresses.append(Address(logical, offset, physical, slots[g], group.block_size, writes))
         from_end = qsl[b + 1] - t  # 1 for the request's last token
         is_draft = from_end <= num_drafts[b]
         verifies = ""
@@ -144,7 +148,7 @@ def explain_step(view: StepView) -> Explanation:
     colours = {r: PALETTE[i % len(PALETTE)] for i, r in enumerate(by_colour)}
     return Explanation(
         view.title,
-        tuple(GroupInfo(g.block_size, g.sliding_window) for g in groups),
+        tuple(GroupInfo(g.block_size, g.sliding_window, g.kind) for g in groups),
         state_rows,
         batch_rows,
         tuple(qsl),

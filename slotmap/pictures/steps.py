@@ -39,6 +39,7 @@ class StepView:
     snapshot: PoolSnapshot  # the pool after apply, which is what prepare reads
     batch: dict[str, Any]  # BatchInputs fields in NumPy form
     title: str = ""  # what this step is, for headings
+    workload: Any = None  # a seeded run's conformance.scheduler.Workload (M-RoPE tables: slotmap/pictures/mrope.py)
 
 
 def run_to_step(
@@ -87,6 +88,8 @@ def seeded_step(
     pad_to: int | None = None,
     spec_tokens: int = 0,
     async_scheduling: bool = False,
+    encoder_decoder: bool = False,
+    mrope: bool = False,
 ) -> StepView:
     """Step `step` of a random workload run by the reference scheduler (same seed, same step, any backend).
 
@@ -94,6 +97,7 @@ def seeded_step(
     `pad_to` overrides the scheduler's padding bucket for the explained step. With `spec_tokens` the
     scheduler drafts (random drafts, up to that many per request) and its rejection step keeps some. With
     `async_scheduling` each step is sent one ahead (spec/async_steps.py): the batch lists its pending tokens.
+    With `encoder_decoder` the model has a cross-attention group (slotmap/pictures/cross.py).
     """
     from conformance.scheduler import ReferenceScheduler, SchedulerKnobs, make_workload
 
@@ -102,6 +106,14 @@ def seeded_step(
         raise ValueError(f"step must be >= 1, got {step}")
     config = dataclasses.replace(SEEDED_CONFIG, async_scheduling=async_scheduling)
     workload = make_workload(seed, config, num_requests=6, max_arrival_step=3, max_new_tokens=8)
+    if encoder_decoder:
+        from slotmap.pictures.cross import with_encoder  # it reads StepView: imported here, not at the top
+
+        config, workload = with_encoder(config, workload, seed)
+    if mrope:  # a multimodal model: position tables on most requests (slotmap/pictures/mrope.py)
+        from slotmap.pictures.mrope import with_mrope
+
+        config, workload = with_mrope(config, workload, seed)
     knobs = SchedulerKnobs(max_chunk=12, pad_buckets=(8, 16, 24), spec_tokens=spec_tokens)
     sched = ReferenceScheduler(config, workload, knobs, seed=seed)
     pool = backend.make_pool(config)
@@ -121,7 +133,7 @@ def seeded_step(
                 + (f", {drafts} draft tokens" if spec_tokens else "")
             )
             numpy_batch = backend.batch_to_numpy(batch) | draft_fields(backend, batch)
-            return StepView(config, pool.snapshot(), numpy_batch, title)
+            return StepView(config, pool.snapshot(), numpy_batch, title, workload)
         batch = pool.prepare(out, padded)
         tokens = [sampler.randrange(config.vocab_size) for _ in batch.req_ids]
         taking = set(sched.sampling_req_ids(out))

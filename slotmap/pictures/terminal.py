@@ -72,6 +72,8 @@ def render(ex: Explanation, console: Console) -> None:
         )
 
     for g, group in enumerate(ex.groups):
+        if group.kind == "cross_attention":  # its slots are the encoder's (slotmap/pictures/cross.py)
+            continue
         paths = Table(title=f"{4 + g}. addresses in KV {group_label(g, group)}: position → slot")
         for col in ("flat idx", "req_id", "position", "→ (logical, offset)", "→ physical block", "→ slot"):
             paths.add_column(col, justify="right")
