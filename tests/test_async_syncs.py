@@ -53,3 +53,21 @@ def test_the_counter_sees_the_synchronous_record_read_its_ids(interpreted: bool)
     counted = _syncs_of_a_step(CONFIG, interpreted)
     assert counted["record"] and counted["record_drafts"]
     assert np.all([name in ("numpy", "cpu") for name in counted["record"]])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (scripts/gpu-check runs it)")
+def test_on_cuda_the_async_step_passes_sync_debug_mode_error() -> None:
+    config = dataclasses.replace(CONFIG, async_scheduling=True)
+    pool = fast.RequestStatePool(config, device="cuda")
+    first = SchedulerOutput(new_requests=(NewRequest("a", (1, 2, 3), ((3,),)),), num_scheduled_tokens={"a": 3})
+    pool.apply(first)
+    batch = pool.prepare(first)
+    sampled = torch.tensor([7], device="cuda")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        pool.record_sampled(batch, sampled)
+        decode = SchedulerOutput(cached_requests=(CachedRequest("a", 3),), num_scheduled_tokens={"a": 1})
+        pool.apply(decode)
+        pool.prepare(decode)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
