@@ -308,3 +308,12 @@ def test_sglang_layout_puts_the_encoder_first_and_decoder_position_p_at_encoder_
     assert backend.to_numpy(layout.encoder_cached).tolist() == [True]
     with pytest.raises(ValueError, match="cross group"):
         interop.sglang_layout(pool.prepare(decode), config, 1)
+
+
+def test_context_parallelism_does_not_shard_the_encoders_kv() -> None:
+    """The CP transform splits a group's KV by decoder position; the cross group is replicated, never sharded."""
+    from spec.context_parallel import ContextParallel
+
+    with pytest.raises(ValueError, match="holds the encoder's KV"):
+        ContextParallel(2, 0, sharded_groups=(1,)).check_config(_config())
+    ContextParallel(2, 0, sharded_groups=(0,)).check_config(_config())  # the decoder's group may be

@@ -27,6 +27,7 @@ TARGETED = "conformance/test_targeted.py"
 CONTEXT_PARALLEL = "conformance/test_context_parallel.py"
 CP_RANKS = "conformance/test_context_parallel_ranks.py"
 CP_UNIT = "tests/test_context_parallel.py"
+FP8_FAST = "tests/test_fast_fp8.py"
 ASYNC = "conformance/test_async.py"
 CROSS = "conformance/test_cross_attention.py"
 MROPE = "conformance/test_mrope.py"
@@ -263,5 +264,54 @@ MUTANTS: tuple[Mutant, ...] = (
         "lens.clamp(min=1).to(encoder_seq_lens.dtype),",  # a row's query i of n sees its first L - (n - 1 - i) keys
         "(lens - (ends[row] - 1 - tokens)).clamp(min=1).to(encoder_seq_lens.dtype),",
         (CROSS,),
+    ),
+    Mutant(
+        "fp8-value-scale-not-applied",
+        "fp8 KV caches: attention reads decode(code) * v_scale (FlashInfer: out *= v_scale)",
+        "fast/cpu/attention.py",
+        "inv = v_scale[h0 + (r % (heads * group)) // group] / total[r]",
+        "inv = np.float32(1.0) / total[r]",
+        (FP8_FAST,),
+    ),
+    Mutant(
+        "fp8-key-scale-applied-twice",
+        "fp8 KV caches: attention reads decode(code) * k_scale (FlashInfer: sm_scale *= k_scale)",
+        "fast/kernels/paged_attention.py",
+        "logit_scale = scale * tl.load(k_scale_ptr + kv_head)",
+        "logit_scale = scale * tl.load(k_scale_ptr + kv_head) * tl.load(k_scale_ptr + kv_head)",
+        (FP8_FAST,),
+    ),
+    Mutant(
+        "fp8-scale-by-query-head",
+        "fp8 KV caches: query head h reads the scale of KV head h // (num_heads // num_kv_heads)",
+        "fast/cpu/attention.py",
+        "_logits(s, q, key[at : at + head_dim], r0, r0 + group, j, scale * k_scale[kv_head])",
+        "_logits(s, q, key[at : at + head_dim], r0, r0 + group, j,\n"
+        "                            scale * k_scale[(h0 * group + r0 % (heads * group)) % k_scale.shape[0]])",
+        (FP8_FAST,),
+    ),
+    Mutant(
+        "spec-fp8-value-scale-not-applied",
+        "fp8 KV caches: attention reads decode(code) * v_scale (FlashInfer: out *= v_scale)",
+        "spec/attention.py",
+        "values = dequantize(values, fmt, v_scales[None, :, None], dtype)",
+        "values = dequantize(values, fmt, np.ones_like(v_scales)[None, :, None], dtype)",
+        (f"{PIPELINE}::test_fp8_write_kv_then_paged_attention_matches_dense_attention",),
+    ),
+    Mutant(
+        "fp8-int32-block-offsets",
+        "fp8 KV caches: cache offsets are int64 (a cache of more than 2**31 elements, vLLM #50427)",
+        "fast/kernels/paged_attention.py",
+        "phys = tl.load(table_row + k_pos // block_size, mask=k_mask, other=0).to(tl.int64)",
+        "phys = tl.load(table_row + k_pos // block_size, mask=k_mask, other=0)",
+        (f"{FP8_FAST}::test_fp8_cache_offsets_past_int32",),
+    ),
+    Mutant(
+        "fp8-int32-slot-offsets",
+        "fp8 KV caches: cache offsets are int64 (a cache of more than 2**31 elements, vLLM #50427)",
+        "fast/kernels/write_kv.py",
+        "slot = tl.load(slot_mapping_ptr + token).to(tl.int64)",
+        "slot = tl.load(slot_mapping_ptr + token)",
+        (f"{FP8_FAST}::test_fp8_cache_offsets_past_int32",),
     ),
 )
