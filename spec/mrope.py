@@ -104,9 +104,12 @@ def _length(prompt: object) -> int | None:
     return None
 
 
-def mrope_writes(new_requests: Sequence[NewRequest], new_rows: Sequence[int]) -> MRopeWrites:
-    """The validated tables of a step's new requests (check 1 passed), frozen: later edits cannot reach them."""
+def mrope_writes(new_requests: Sequence[NewRequest], new_rows: Sequence[int]) -> MRopeWrites | None:
+    """The validated tables of a step's new requests (check 1 passed), frozen: later edits cannot reach them.
+    None when no new request carries one (the plan of a text-only step is the plan it always was)."""
     carrying = [(row, new) for row, new in zip(new_rows, new_requests, strict=True) if new.mrope_positions is not None]
+    if not carrying:
+        return None
     tables = [as_table(new.mrope_positions) for _, new in carrying]
     return MRopeWrites(
         rows=np.array([row for row, _ in carrying], np.int64),

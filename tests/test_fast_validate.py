@@ -398,9 +398,11 @@ def test_drafting_steps_take_the_bulk_path_with_plan_steps_plan() -> None:
             if scheduler.done():
                 break
             out = scheduler.schedule()
-            # resumed requests and appended null placeholders (knob null_lookahead) are plan_step's by design
+            # resumed requests, appended null placeholders (knob null_lookahead) and M-RoPE tables are plan_step's
+            # by design
             appends_null = any(0 in ids for c in out.cached_requests for ids in (c.new_block_ids or ()))
-            if out.num_scheduled_tokens and not appends_null and not any(c.resumed for c in out.cached_requests):
+            by_design = appends_null or any(r.mrope_positions is not None for r in out.new_requests)  # M-RoPE tables
+            if out.num_scheduled_tokens and not by_design and not any(c.resumed for c in out.cached_requests):
                 plan = plan_bulk_step(pool.state, out)
                 assert plan is not None, out
                 _assert_plans_equal(plan, plan_step(pool.state, out))
