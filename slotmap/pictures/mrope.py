@@ -59,7 +59,7 @@ def explain_mrope(view: StepView) -> tuple[MRopeToken, ...] | None:
             else:
                 source, expected = "p (text)", (p,) * 3
             rows = (int(mrope[0, t]), int(mrope[1, t]), int(mrope[2, t]))
-            tokens.append(MRopeToken(t, req_id, p, rows, source, expected))  # type: ignore[arg-type]
+            tokens.append(MRopeToken(t, req_id, p, rows, source, expected))
     return tuple(tokens)
 
 
