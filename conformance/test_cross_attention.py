@@ -245,10 +245,12 @@ def test_cross_attention_matches_the_float64_reference_by_the_tolerance_rule(
     cross = _cross_attention(backend)
     x = _inputs(dtype)
     floats = (x["query"], x["key_cache"], x["value_cache"])
-    index = (x["block_table"], x["encoder_seq_lens"], x["query_start_loc"])
-    ref64 = spec_cross_attention(*(np.asarray(a, np.float64) for a in floats), *index, scale=0.35)
-    low = spec_in_dtype(spec_cross_attention, dtype, floats, *index, scale=0.35)
-    out = backend.to_numpy(cross(*(backend.asarray(a) for a in (*floats, *index)), scale=0.35))
+    table, lens, starts = x["block_table"], x["encoder_seq_lens"], x["query_start_loc"]
+    q64, k64, v64 = (np.asarray(a, np.float64) for a in floats)
+    ref64 = spec_cross_attention(q64, k64, v64, table, lens, starts, scale=0.35)
+    low = spec_in_dtype(spec_cross_attention, dtype, floats, table, lens, starts, scale=0.35)
+    inputs = [backend.asarray(a) for a in (*floats, table, lens, starts)]
+    out = backend.to_numpy(cross(*inputs, scale=0.35))
     assert out.dtype == np.dtype(dtype)
     assert_attention_close(out[:6], ref64[:6], low[:6], dtype)
     assert not np.asarray(out[6:], np.float64).any()  # the row without an encoder and the padding are zero

@@ -65,8 +65,8 @@ def sglang_layout(batch: BatchInputs, config: WorkerConfig, group: int = 0) -> S
     req_to_token = np.full((config.max_num_reqs, width), PAD_SLOT_ID, SLOT_DTYPE)
     for b, row in enumerate(rows):
         start = int(encoder_lens[b])  # the decoder's position 0
-        if start:
-            cross_table = np.asarray(batch.block_tables[cross], np.int64)[b]
+        if cross is not None and start:
+            cross_table = np.asarray(batch.block_tables[cross], np.int64)[b]  # [max_blocks] its cross blocks
             req_to_token[row, :start] = encoder_slots(cross_table, start, config.kv_groups[cross].block_size)
         positions = np.arange(seq_lens[b])  # [seq_len]
         blocks = table[b, positions // block_size]
