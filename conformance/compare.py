@@ -84,7 +84,7 @@ def copy_batch(batch: Mapping[str, Any]) -> dict[str, Any]:
     copied = {}
     for name, value in batch.items():
         if isinstance(value, tuple) and name != "req_ids":
-            value = tuple(np.array(a) for a in value)
+            value = tuple(None if a is None else np.array(a) for a in value)  # None: no array for that group
         elif isinstance(value, np.ndarray):
             value = np.array(value)
         copied[name] = value
