@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -60,38 +61,34 @@ def _stage_section(
     workloads = sorted(by_workload, key=lambda w: workload_key(next(iter(by_workload[w].values()))))
     present = {r.provider for r in results}
     providers = ordered(present)
+
+    def table(columns: list[str], cell: Callable[[dict[str, Result], str], str], counts: bool = False) -> list[str]:
+        """One row per workload (its reqs and tokens first if `counts`), one cell per column, "–" where absent."""
+        lead = ["workload", "reqs", "tokens"] if counts else ["workload"]
+        body = []
+        for w in workloads:
+            row = by_workload[w]
+            any_r = next(iter(row.values()))
+            first = [w, str(any_r.num_reqs), str(any_r.num_tokens)] if counts else [w]
+            body.append([*first, *(cell(row, p) if p in row else "–" for p in columns)])
+        return markdown_table([*lead, *columns], "l" + "r" * (len(lead) + len(columns) - 1), body)
+
     out = [f"### {stage}", "", what + ".", "", "Median time per call:", ""]
-    times = []
-    for w in workloads:
-        row = by_workload[w]
-        any_r = next(iter(row.values()))
-        cells = [fmt_time(row[p].median) if p in row else "–" for p in providers]
-        times.append([w, str(any_r.num_reqs), str(any_r.num_tokens), *cells])
-    out += markdown_table(["workload", "reqs", "tokens", *providers], "lrr" + "r" * len(providers), times)
+    out += table(providers, lambda row, p: fmt_time(row[p].median), counts=True)
     refs = {  # provider -> the provider its ratios divide by
         p: ref for p in providers if base is not None and (ref := reference_for(base, p, present)) not in (None, p)
     }
     if refs:
         out += ["", f"Time relative to `{base}` on the same device (below 1.00× is faster than `{base}`):", ""]
-        ratios = []
-        for w in workloads:
-            row = by_workload[w]
-            cells = [fmt_ratio(row[p].median / row[ref].median) if p in row and ref in row else "–"
-                     for p, ref in refs.items()]  # fmt: skip
-            ratios.append([w, *cells])
-        out += markdown_table(["workload", *refs], "l" + "r" * len(refs), ratios)
+        out += table(
+            list(refs), lambda row, p: fmt_ratio(row[p].median / row[refs[p]].median) if refs[p] in row else "–"
+        )
     flops = any(r.flops for r in results) and stage == "paged_attention"
     if not any(r.flops if flops else r.nbytes for r in results):  # no work recorded (vllm_prep): no throughput
         return [*out, ""]
-    unit = "GFLOP/s" if flops else "GB/s"
-    out += ["", f"Throughput ({unit}, from the work recorded in extra_info):", ""]
-    work = []
-    for w in workloads:
-        row = by_workload[w]
-        cells = [f"{getattr(row[p], 'flops' if flops else 'nbytes') / row[p].median / 1e9:.3g}" if p in row else "–"
-                 for p in providers]  # fmt: skip
-        work.append([w, *cells])
-    out += markdown_table(["workload", *providers], "l" + "r" * len(providers), work)
+    work = "flops" if flops else "nbytes"
+    out += ["", f"Throughput ({'GFLOP/s' if flops else 'GB/s'}, from the work recorded in extra_info):", ""]
+    out += table(providers, lambda row, p: f"{getattr(row[p], work) / row[p].median / 1e9:.3g}")
     plot = _plot(machine, stage, results, img_dir)
     if plot is not None:
         out += ["", f"![{stage}: time vs batch size]({os.path.relpath(plot, page.parent)})"]
