@@ -74,9 +74,21 @@ class _Side:
                 shape = (g.num_blocks, g.block_size, attention.num_kv_heads, attention.head_dim)
                 if g.kind == "mamba":  # holds states, not KV (spec/mamba.py): no cache to compare
                     shape = (1, 1, attention.num_kv_heads, attention.head_dim)
-                self.caches.append(
-                    (handle.asarray(np.zeros(shape, attention.dtype)), handle.asarray(np.zeros(shape, attention.dtype)))
-                )
+                # an fp8 scenario's self-attention groups hold uint8 codes; cross-attention reads the model's dtype
+                dtype = attention.cache_dtype if g.kind == "attention" else attention.dtype
+                self.caches.append((handle.asarray(np.zeros(shape, dtype)), handle.asarray(np.zeros(shape, dtype))))
+
+
+def _fp8_arguments(att: AttentionSpec, asarray: Callable[[np.ndarray], Any]) -> dict[str, Any]:
+    """write_kv's and paged_attention's fp8 keywords for a scenario ({} for an "auto" cache): a per-tensor
+    scale as a number, per-KV-head scales as a float32 array of the backend."""
+    if att.kv_cache_dtype == "auto":
+        return {}
+
+    def scale(values: tuple[float, ...]) -> Any:
+        return values[0] if len(values) == 1 else asarray(np.array(values, np.float32))
+
+    return {"kv_cache_dtype": att.kv_cache_dtype, "k_scale": scale(att.k_scale), "v_scale": scale(att.v_scale)}
 
 
 class Pair:
@@ -159,10 +171,11 @@ class Pair:
             value = self.kv_rng.standard_normal(kv_shape).astype(att.dtype)
             query = self.kv_rng.standard_normal((padded, att.num_heads, att.head_dim)).astype(att.dtype)
             (rk, rv), (ck, cv) = self.ref.caches[g], self.cand.caches[g]
-            spec.write_kv(rk, rv, key, value, ref_batch.slot_mappings[g])
             to = self.cand.handle.asarray
+            fp8, cand_fp8 = _fp8_arguments(att, np.asarray), _fp8_arguments(att, to)
+            spec.write_kv(rk, rv, key, value, ref_batch.slot_mappings[g], **fp8)
             try:
-                self.cand.handle.module.write_kv(ck, cv, to(key), to(value), cand_batch.slot_mappings[g])
+                self.cand.handle.module.write_kv(ck, cv, to(key), to(value), cand_batch.slot_mappings[g], **cand_fp8)
             except Exception as exc:
                 raise MismatchError(f"write_kv[{g}]: candidate raised {exc!r}") from exc
             for which, r, c in (("key", rk, ck), ("value", rv, cv)):
@@ -173,18 +186,20 @@ class Pair:
 
             window, softcap = group.sliding_window, att.softcap
             table, seq_lens, qsl = ref_batch.block_tables[g], ref_batch.seq_lens, ref_batch.query_start_loc
-            q64, k64, v64 = (np.asarray(a, np.float64) for a in (query, rk, rv))
+            # an fp8 cache: both references read the very codes (conformance/tolerance.py's fp8 rule)
+            floats, codes = ((query,), (rk, rv)) if fp8 else ((query, rk, rv), ())
             ref64 = spec.paged_attention(
-                q64, k64, v64, table, seq_lens, qsl, scale=att.scale, sliding_window=window, softcap=softcap
-            )
+                *(np.asarray(a, np.float64) for a in floats), *codes, table, seq_lens, qsl,
+                scale=att.scale, sliding_window=window, softcap=softcap, **fp8,
+            )  # fmt: skip
             low = spec_in_dtype(
-                spec.paged_attention, att.dtype, (query, rk, rv), table, seq_lens, qsl,
-                scale=att.scale, sliding_window=window, softcap=softcap,
+                spec.paged_attention, att.dtype, floats, *codes, table, seq_lens, qsl,
+                scale=att.scale, sliding_window=window, softcap=softcap, **fp8,
             )  # fmt: skip
             try:
                 out = self.cand.handle.module.paged_attention(
                     to(query), ck, cv, cand_batch.block_tables[g], cand_batch.seq_lens, cand_batch.query_start_loc,
-                    scale=att.scale, sliding_window=window, softcap=softcap,
+                    scale=att.scale, sliding_window=window, softcap=softcap, **cand_fp8,
                 )  # fmt: skip
             except Exception as exc:
                 raise MismatchError(f"paged_attention[{g}]: candidate raised {exc!r}") from exc

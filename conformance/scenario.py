@@ -22,6 +22,8 @@ KV_CACHE_ELEMENT_LIMIT = 1 << 21  # larger caches ("huge num_blocks") skip the K
 HUGE_SLOTS = 1 << 31  # a huge group's slots reach past int32
 MAX_BLOCKS = 1 << 31  # block ids are int32 (spec.types.BLOCK_ID_DTYPE)
 ATTENTION_DTYPES = ("float32", "float16")
+KV_CACHE_DTYPES = ("auto", "auto", "fp8_e4m3", "fp8_e5m2")  # half the scenarios with attention read an fp8 cache
+KV_SCALES = (0.004, 0.37, 1.0, 2.5)  # 0.004 saturates e4m3 (448 * 0.004 = 1.8 < keys' largest |N(0, 1)|)
 SPEC_TOKENS = (0, 0, 1, 2, 3, 5)  # most drafts per request per step; 0 (no speculative decoding) a third of the time
 ACCEPTANCE_RATES = (0.0, 0.5, 0.8, 1.0)
 MROPE_SHARE = 0.3  # of the scenarios, the share whose model uses M-RoPE (and whose requests carry tables)
@@ -34,8 +36,11 @@ class AttentionSpec:
     num_kv_heads: int
     num_queries_per_kv: int  # GQA group size
     head_dim: int
-    dtype: str  # float32 or float16
+    dtype: str  # float32 or float16: the queries', and the caches' with kv_cache_dtype "auto"
     softcap: float | None = None
+    kv_cache_dtype: str = "auto"  # or "fp8_e4m3" / "fp8_e5m2": caches of uint8 codes (spec/fp8.py)
+    k_scale: tuple[float, ...] = (1.0,)  # one value (per tensor) or num_kv_heads values (per KV head)
+    v_scale: tuple[float, ...] = (1.0,)
 
     @property
     def num_heads(self) -> int:
@@ -44,6 +49,10 @@ class AttentionSpec:
     @property
     def scale(self) -> float:
         return 1.0 / math.sqrt(self.head_dim)
+
+    @property
+    def cache_dtype(self) -> str:
+        return self.dtype if self.kv_cache_dtype == "auto" else "uint8"
 
 
 @dataclass(frozen=True)
@@ -120,6 +129,8 @@ def random_scenario(
         knobs = replace(knobs, spec_tokens=spec_tokens, acceptance_rate=acceptance_rate,
                         drafts_on_admission=rng.random() < 0.5)  # fmt: skip
     knobs = replace(knobs, null_lookahead=rng.random() < 0.5)  # drawn last: earlier seeds' draws stay as they were
+    if attention is not None:  # drawn after everything else, for the same reason
+        attention = with_fp8_draw(attention, rng)
     if rng.random() < MROPE_SHARE:  # a multimodal model (spec/mrope.py): position tables on some requests
         config = replace(config, uses_mrope=True)
         workload = with_position_tables(workload, rng.randrange(2**32))
@@ -134,3 +145,14 @@ def random_scenario(
         if hybrid_rng.random() < MAMBA_SHARE:  # spec/mamba.py
             config = with_mamba_group(config, knobs, hybrid_rng)
     return Scenario(config, workload, knobs, attention, scenario_seed)
+
+
+def with_fp8_draw(attention: AttentionSpec, rng: random.Random) -> AttentionSpec:
+    """attention with a drawn cache dtype and scales: an fp8 cache half the time, per tensor or per KV head."""
+    kv_cache_dtype = rng.choice(KV_CACHE_DTYPES)
+    if kv_cache_dtype == "auto":
+        return replace(attention, kv_cache_dtype="auto", k_scale=(1.0,), v_scale=(1.0,))
+    heads = rng.choice((1, attention.num_kv_heads))
+    k_scale = tuple(rng.choice(KV_SCALES) for _ in range(heads))
+    v_scale = tuple(rng.choice(KV_SCALES) for _ in range(heads))
+    return replace(attention, kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale)

@@ -291,6 +291,74 @@ def test_write_kv_then_paged_attention_matches_dense_attention(backend: BackendH
     assert_attention_close(out2[:1], exp_d[8:], low_d[8:], np.float32)
 
 
+def _fp8_stored(x: np.ndarray, scales: np.ndarray, kv_cache_dtype: str) -> np.ndarray:
+    """What an fp8 cache holds for x, as float64: torch's float8 conversion (saturated first), times the scale."""
+    import torch  # torch's conversions are the independent implementation (tests/test_fp8.py pins them)
+
+    dtype, top = {"fp8_e4m3": (torch.float8_e4m3fn, 448.0), "fp8_e5m2": (torch.float8_e5m2, 57344.0)}[kv_cache_dtype]
+    per_head = torch.from_numpy(scales.astype(np.float32))[None, :, None]  # [1, num_kv_heads, 1]
+    scaled = (torch.from_numpy(x.astype(np.float32)) / per_head).clamp(-top, top)
+    return (scaled.to(dtype).double() * per_head.double()).numpy()
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("per_head", [False, True], ids=["per-tensor", "per-head"])
+def test_fp8_write_kv_then_paged_attention_matches_dense_attention(
+    backend: BackendHandle, kv_cache_dtype: str, per_head: bool
+) -> None:
+    """As above, into fp8 caches of uint8 codes (NaN codes where nothing was written): attention equals dense
+    attention over the values the codes stand for (decode(code) * the KV head's scale), by the tolerance rule."""
+    heads, kv_heads, dim, bs = 4, 2, 8, 4
+    config = WorkerConfig(2, 32, 64, 100, (KVCacheGroup(bs, 16),))
+    pool = backend.make_pool(config)
+    rng = np.random.default_rng(1)
+    seqs = {"d": 9, "p": 7}
+    news = (NewRequest("d", tuple(range(9)), ((3, 11, 6),)), NewRequest("p", tuple(range(7)), ((8, 2),)))
+    keys = {r: rng.standard_normal((n, kv_heads, dim)).astype(np.float32) * 3 for r, n in seqs.items()}
+    values = {r: rng.standard_normal((n, kv_heads, dim)).astype(np.float32) for r, n in seqs.items()}
+    queries = {r: rng.standard_normal((n, heads, dim)).astype(np.float32) for r, n in seqs.items()}
+    k_scales = np.array([0.006, 0.7] if per_head else [0.3, 0.3], np.float32)  # 0.006 saturates e4m3 keys
+    v_scales = np.array([1.9, 0.05] if per_head else [0.05, 0.05], np.float32)
+    scale_args = {
+        "kv_cache_dtype": kv_cache_dtype,
+        "k_scale": backend.asarray(k_scales) if per_head else float(k_scales[0]),
+        "v_scale": backend.asarray(v_scales) if per_head else float(v_scales[0]),
+    }
+    k_cache = backend.asarray(np.full((16, bs, kv_heads, dim), 0x7F, np.uint8))  # the NaN code of both formats
+    v_cache = backend.asarray(np.full((16, bs, kv_heads, dim), 0x7F, np.uint8))
+
+    def forward(batch: dict, starts: dict[str, int]) -> np.ndarray:
+        tok = {r: slice(starts[r], starts[r] + int(n)) for r, n in zip(batch["req_ids"], batch["num_scheduled_tokens"],
+                                                                       strict=True)}
+        order = batch["req_ids"]
+        k = np.concatenate([keys[r][tok[r]] for r in order])
+        v = np.concatenate([values[r][tok[r]] for r in order])
+        q = np.concatenate([queries[r][tok[r]] for r in order])
+        backend.module.write_kv(k_cache, v_cache, backend.asarray(k), backend.asarray(v),
+                                backend.asarray(batch["slot_mappings"][0]), **scale_args)
+        return backend.to_numpy(backend.module.paged_attention(
+            backend.asarray(q), k_cache, v_cache, backend.asarray(batch["block_tables"][0]),
+            backend.asarray(batch["seq_lens"]), backend.asarray(batch["query_start_loc"]), scale=dim**-0.5,
+            **scale_args))
+
+    b1 = step(backend, pool, SchedulerOutput(new_requests=news, num_scheduled_tokens={"d": 8, "p": 7}))
+    out1 = forward(b1, {"d": 0, "p": 0})
+    b2 = step(backend, pool, SchedulerOutput(cached_requests=(CachedRequest("d", 8),), num_scheduled_tokens={"d": 1}))
+    out2 = forward(b2, {"d": 8})
+
+    def dense(r: str, n: int, dtype: type[np.floating]) -> np.ndarray:
+        k = _fp8_stored(keys[r], k_scales, kv_cache_dtype).astype(dtype)
+        v = _fp8_stored(values[r], v_scales, kv_cache_dtype).astype(dtype)
+        return _dense_attention(queries[r].astype(dtype), k, v, np.arange(n), float(dtype(dim**-0.5)))
+
+    assert b1["req_ids"] == ("p", "d")
+    exp_p, low_p = dense("p", 7, np.float64), dense("p", 7, np.float32)
+    exp_d, low_d = dense("d", 9, np.float64), dense("d", 9, np.float32)
+    assert_attention_close(out1[:7], exp_p, low_p, np.float32)
+    assert_attention_close(out1[7:15], exp_d[:8], low_d[:8], np.float32)
+    assert_attention_close(out2[:1], exp_d[8:], low_d[8:], np.float32)
+
+
 @pytest.mark.parametrize("pad_to", [None, 80])
 def test_prepare_is_repeatable(backend: BackendHandle, pad_to: int | None) -> None:
     ex = worked_example()

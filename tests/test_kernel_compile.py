@@ -107,6 +107,40 @@ def attention_launch(dtype: torch.dtype, head_dim: int, group: int, window: bool
     return _only(launches)
 
 
+def fp8_write_kv_launch(fmt_name: str, dtype: torch.dtype, head_dim: int, num_kv_heads: int) -> Launch:
+    """write_kv into an fp8 cache (uint8 codes) of more than 2**31 elements: the encoder and int64 offsets."""
+    from fast.kernels.write_kv import write_kv_triton
+    from spec.fp8 import E4M3, E5M2
+
+    block_size, slots = 16, INT64_SLOTS
+    cache = torch.empty((slots // block_size, block_size, num_kv_heads, head_dim), dtype=torch.uint8, device="meta")
+    key = torch.empty((4, num_kv_heads, head_dim), dtype=dtype, device="meta")
+    scale = torch.empty(num_kv_heads, dtype=torch.float32, device="meta")
+    with captured_launches() as launches:
+        write_kv_triton(cache, cache, key, key, torch.empty(4, dtype=torch.int32, device="meta"),
+                        fmt=E4M3 if fmt_name == "e4m3" else E5M2, k_scale=scale, v_scale=scale)  # fmt: skip
+    return _only(launches)
+
+
+def fp8_attention_launch(fmt_name: str, dtype: torch.dtype, head_dim: int, group: int) -> Launch:
+    """paged attention over an fp8 cache: the decoder, the folded scales."""
+    from fast.kernels.paged_attention import paged_attention_triton
+    from spec.fp8 import E4M3, E5M2
+
+    num_kv_heads, num_reqs, num_tokens = 2, 2, 6
+    query = torch.empty((num_tokens, num_kv_heads * group, head_dim), dtype=dtype, device="meta")
+    cache = torch.empty((64, 16, num_kv_heads, head_dim), dtype=torch.uint8, device="meta")
+    scale = torch.empty(num_kv_heads, dtype=torch.float32, device="meta")
+    index = functools.partial(torch.empty, dtype=torch.int32, device="meta")
+    with captured_launches() as launches:
+        paged_attention_triton(
+            torch.empty_like(query), query, cache, cache, index((num_reqs, 8)), index(num_reqs), index(num_reqs + 1),
+            scale=0.1, sliding_window=None, softcap=None, fmt=E4M3 if fmt_name == "e4m3" else E5M2,
+            k_scale=scale, v_scale=scale,
+        )  # fmt: skip
+    return _only(launches)
+
+
 def _device_state(num_groups: int, num_blocks: int) -> Any:
     from fast.state import DeviceState
 
@@ -169,6 +203,16 @@ def _cases() -> dict[str, tuple[Callable[[], Launch], tuple[int, ...]]]:
             continue
         launch = functools.partial(write_kv_launch, dtype, head_dim, heads, slot_dtype, slots)
         cases[f"write_kv-{name}-d{head_dim}-h{heads}-{slot_name}slots-{slots}"] = (launch, ARCHS)
+    for (i, fmt_name), (j, (name, dtype)) in itertools.product(enumerate(("e4m3", "e5m2")), enumerate(DTYPES.items())):
+        head_dim, group = HEAD_DIMS[(i + j) % len(HEAD_DIMS)], GROUPS[(i + j) % len(GROUPS)]  # rotating, as above
+        cases[f"write_kv-fp8{fmt_name}-{name}-d{head_dim}"] = (
+            functools.partial(fp8_write_kv_launch, fmt_name, dtype, head_dim, 8),
+            ARCHS,
+        )
+        cases[f"attention-fp8{fmt_name}-{name}-d{head_dim}-g{group}"] = (
+            functools.partial(fp8_attention_launch, fmt_name, dtype, head_dim, group),
+            ARCHS,
+        )
     for groups, blocks in itertools.product((1, 3), (1000, 2**26 + 5)):  # 2**26 blocks of 16+: slots past 2**31
         cases[f"prepare-g{groups}-blocks{blocks}"] = (functools.partial(prepare_launch, groups, blocks), ARCHS)
     for groups in (1, 3):

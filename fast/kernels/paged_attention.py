@@ -15,10 +15,13 @@ Reductions are spelled `tl.reduce(x, axis, tl.standard._..._combine)` rather tha
 themselves jitted functions, which the dual-flavour fast.runtime.Kernel cannot call from the interpreter
 (the interpreter recognises these combine functions and reduces with NumPy).
 
-fp8 caches (FP8_MANTISSA > 0): the caches are uint8 codes, decoded in the K/V loop with integer arithmetic
-on the bits (exact: every fp8 value is a float16, bfloat16 and float32 value) into the query's dtype; the
+fp8 caches (FP8_MANTISSA > 0): the caches are uint8 codes, decoded in the K/V loop by moving their bits
+into a float16's (exact: every fp8 value is a float16, bfloat16 and float32 value; no float8 type, which
+Triton compiles only for sm_89+ and its interpreter not at all), then cast to the query's dtype. The
 scales are applied as FlashInfer does, not per element: the logits' scale is `scale * k_scale[kv_head]`
 and the output is multiplied by `v_scale[kv_head]` (a program serves one KV head, so one value each).
+Software pipelining is off for fp8 tiles (num_stages=1): pipelined, they took 150-255 registers a thread
+on sm_80/sm_90 and spilled (tests/test_kernel_compile.py); unpipelined, 52-128.
 """
 
 from __future__ import annotations
@@ -81,10 +84,9 @@ def paged_attention_triton(
         BLOCK_Q=block_q, HEADS_PAD=heads_pad, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         USE_WINDOW=sliding_window is not None, USE_SOFTCAP=softcap is not None, FP32_DOT=fp32_dot,
-        FP8_MANTISSA=0 if fmt is None else fmt.mantissa_bits, FP8_BIAS=0 if fmt is None else fmt.bias,
-        FP8_MAX_CODE=0 if fmt is None else fmt.max_code, FP8_INF_CODE=0x7C if fmt is not None and fmt.name == "e5m2"
-        else 0x100, FP8_SUBNORMAL=0.0 if fmt is None else 2.0 ** (1 - fmt.bias - fmt.mantissa_bits),
+        FP8_MANTISSA=0 if fmt is None else fmt.mantissa_bits,
         num_warps=NUM_WARPS_FP32_DOT if fp32_dot else NUM_WARPS,
+        num_stages=3 if fmt is None else 1,  # pipelined uint8 tiles took 150-255 registers (and spilled)
     )  # fmt: skip
 
 
@@ -170,10 +172,6 @@ def _paged_attention_kernel(
     # tl.dot multiplies bfloat16's raw uint16 storage (Triton 3.x); compiled bfloat16 dots are native
     FP32_DOT: tl.constexpr,
     FP8_MANTISSA: tl.constexpr,  # 0: caches of the query's dtype; 3 (e4m3) or 2 (e5m2): uint8 codes
-    FP8_BIAS: tl.constexpr,  # the format's exponent bias (7, 15)
-    FP8_MAX_CODE: tl.constexpr,  # its largest finite positive code: codes above it are NaN (or inf)
-    FP8_INF_CODE: tl.constexpr,  # the code of +inf (e5m2: 0x7c; e4m3 has none: 0x100, never matched)
-    FP8_SUBNORMAL: tl.constexpr,  # the smallest subnormal, 2**(1 - bias - mantissa bits)
 ):
     q_tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -236,25 +234,22 @@ def _paged_attention_kernel(
         v_mask = k_mask[:, None] & dim_mask[None, :]  # [BLOCK_N, BLOCK_D]
         v = tl.load(value_cache_ptr + kv_off[:, None] + dims[None, :], mask=v_mask, other=0.0)
         if FP8_MANTISSA > 0:
-            # codes -> the values they spell (spec.fp8.decode), written out twice (K, then V): the dual-flavour
-            # kernel cannot call a jitted helper under the interpreter. An exponent field of 0 is subnormal:
-            # magnitude bits times the smallest subnormal; otherwise the fields move into float32's.
-            k_mag = k.to(tl.int32) & 0x7F
-            k_val = tl.where(
-                k_mag < (1 << FP8_MANTISSA),
-                k_mag.to(tl.float32) * FP8_SUBNORMAL,
-                ((k_mag << (23 - FP8_MANTISSA)) + ((127 - FP8_BIAS) << 23)).to(tl.float32, bitcast=True),
-            )
-            k_val = tl.where(k_mag > FP8_MAX_CODE, tl.where(k_mag == FP8_INF_CODE, float("inf"), float("nan")), k_val)
-            k = tl.where(k >= 0x80, -k_val, k_val).to(query_ptr.dtype.element_ty)
-            v_mag = v.to(tl.int32) & 0x7F
-            v_val = tl.where(
-                v_mag < (1 << FP8_MANTISSA),
-                v_mag.to(tl.float32) * FP8_SUBNORMAL,
-                ((v_mag << (23 - FP8_MANTISSA)) + ((127 - FP8_BIAS) << 23)).to(tl.float32, bitcast=True),
-            )
-            v_val = tl.where(v_mag > FP8_MAX_CODE, tl.where(v_mag == FP8_INF_CODE, float("inf"), float("nan")), v_val)
-            v = tl.where(v >= 0x80, -v_val, v_val).to(query_ptr.dtype.element_ty)
+            # codes -> the values they spell (spec.fp8.decode), exactly, written out twice (K, then V): the
+            # dual-flavour kernel cannot call a jitted helper under the interpreter. An e5m2 code is the top
+            # byte of the float16 of its value; an e4m3 code's magnitude bits moved 7 up are the float16 of
+            # value / 256 (subnormals included), and its all-ones magnitude is NaN.
+            k16 = k.to(tl.int16)
+            v16 = v.to(tl.int16)
+            if FP8_MANTISSA == 2:
+                k = (k16 << 8).to(tl.float16, bitcast=True)
+                v = (v16 << 8).to(tl.float16, bitcast=True)
+            else:
+                k_half = (((k16 & 0x7F) << 7) | ((k16 & 0x80) << 8)).to(tl.float16, bitcast=True) * 256.0
+                v_half = (((v16 & 0x7F) << 7) | ((v16 & 0x80) << 8)).to(tl.float16, bitcast=True) * 256.0
+                k = tl.where((k16 & 0x7F) == 0x7F, float("nan"), k_half)
+                v = tl.where((v16 & 0x7F) == 0x7F, float("nan"), v_half)
+            k = k.to(query_ptr.dtype.element_ty)
+            v = v.to(query_ptr.dtype.element_ty)
         if FP32_DOT:  # noqa: SIM108 - a statement, so both branches read alike with the second dot's
             s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
         else:
