@@ -37,7 +37,7 @@ def check_request(model: TinyDecoder, record: RequestRecord) -> DenseCheck:
     mrope = None
     if model.config.mrope_section is not None:  # a model with M-RoPE: the sequence's three rows (spec/mrope.py)
         mrope = sequence_mrope_positions(record.mrope_positions, record.mrope_position_delta, len(record.tokens))
-    dense = model.forward_dense(record.tokens, torch.float64, mrope).cpu()  # [L, vocab]
+    dense = model.forward_dense(record.tokens, torch.float64, mrope, record.encoder_ids).cpu()  # [L, vocab]
     tol = dense_logit_tolerance(dense, model.config)
     check = DenseCheck(record.req_id, len(record.tokens), 0, 0, 0.0, tol)
     for entry in record.logits:

@@ -25,7 +25,7 @@ import torch
 from conformance.backends import BackendHandle
 from slotmap.tiny.drafting import greedy_verify
 from slotmap.tiny.kv_caches import PagedKV
-from slotmap.tiny.model import ModelConfig, TinyDecoder
+from slotmap.tiny.model import ModelConfig, TinyDecoder, encoder_input_ids
 from spec.drafts import pad_accepted
 from spec.types import BatchInputs, SchedulerOutput, WorkerConfig
 
@@ -47,6 +47,7 @@ class RequestRecord:
     logits: list[LogitsRecord] = field(default_factory=list)
     mrope_positions: Any = None  # a multimodal request's [3, prompt_len] M-RoPE table (spec/mrope.py); None: text
     mrope_position_delta: int = 0
+    encoder_ids: tuple[int, ...] = ()  # an encoder-decoder request's encoder input (spec/cross_attention.py)
 
 
 @dataclass
@@ -93,10 +94,12 @@ class Engine:
         self.device = torch.device(device) if device is not None else backend_device(backend)
         self.model = TinyDecoder(self.model_config, config.kv_groups, self.device)
         self.pool = backend.make_pool(config)
+        cross = self.model.cross_group if self.model_config.cross_attention else None
         self.kv = PagedKV(
             backend, config.kv_groups, self.model_config.layer_groups,
             self.model_config.num_kv_heads, self.model_config.head_dim, self.device,
-        )
+            None if cross is None else config.kv_groups[cross],
+        )  # fmt: skip
         self.record_logits = record_logits
         self.requests: dict[str, RequestRecord] = {}  # live requests, by req_id
         self.stage_seconds: dict[str, float] = defaultdict(float)
@@ -122,9 +125,10 @@ class Engine:
         with self.timed("apply"):
             self.pool.apply(out)
         for new in out.new_requests:
+            encoder = encoder_input_ids(new.prompt_token_ids, new.encoder_len, self.config.vocab_size)
             self.requests[new.req_id] = RequestRecord(
                 new.req_id, new.prompt_token_ids, list(new.prompt_token_ids), [],
-                new.mrope_positions, new.mrope_position_delta,
+                new.mrope_positions, new.mrope_position_delta, encoder,
             )  # fmt: skip
         with self.timed("prepare"):
             batch = self.pool.prepare(out, pad_to)
@@ -132,7 +136,7 @@ class Engine:
             with self.timed("verify"):
                 before_model(batch)
         with self.timed("model"):
-            logits = self.model.forward_paged(batch, self.kv)
+            logits = self.model.forward_paged(batch, self.kv, self._encoder_inputs(batch))
         with self.timed("sample"):
             sampled_ids = logits.argmax(dim=-1)  # [num_reqs + num_drafts] greedy
             sampled_host = sampled_ids.cpu().numpy().astype(np.int64)
@@ -179,6 +183,13 @@ class Engine:
             accepted=accepted,
         )
         return StepResult(batch, logits, sampled_host, kept, sampled, stats)
+
+    def _encoder_inputs(self, batch: BatchInputs) -> list[int]:
+        """The encoder inputs of the rows whose encoder runs this step, in batch order (cross_slot_mapping's)."""
+        if batch.scheduled_encoder_lens is None or not self.model_config.cross_attention:
+            return []
+        written = self.backend.to_numpy(batch.scheduled_encoder_lens)
+        return [t for b, r in enumerate(batch.req_ids) if written[b] for t in self.requests[r].encoder_ids]
 
     def idle(self, out: SchedulerOutput) -> None:
         """A step that schedules no tokens: only its finished requests are removed from the pool."""

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from conformance.backends import BackendHandle
+from conformance.backends import BackendHandle, cross_attention_of
 from spec.types import KVCacheGroup
 
 
@@ -27,6 +27,7 @@ class PagedKV:
         num_kv_heads: int,
         head_dim: int,
         device: torch.device | str = "cpu",
+        cross_group: KVCacheGroup | None = None,  # an encoder-decoder model's: one cross cache per layer
     ) -> None:
         self.backend = backend
         self.device = torch.device(device)
@@ -39,6 +40,12 @@ class PagedKV:
             shape = (kv_groups[g].num_blocks, kv_groups[g].block_size, num_kv_heads, head_dim)
             self.key_caches.append(self._nan(shape))
             self.value_caches.append(self._nan(shape))
+        self.cross_key_caches: list[Any] = []  # per layer, the encoder's KV (spec/cross_attention.py)
+        self.cross_value_caches: list[Any] = []
+        if cross_group is not None:
+            shape = (cross_group.num_blocks, cross_group.block_size, num_kv_heads, head_dim)
+            self.cross_key_caches = [self._nan(shape) for _ in self.layer_groups]
+            self.cross_value_caches = [self._nan(shape) for _ in self.layer_groups]
 
     def _nan(self, shape: tuple[int, ...]) -> Any:
         if self.native_torch:
@@ -64,8 +71,11 @@ class PagedKV:
         slot_mapping: Any,  # [T] int64, PAD_SLOT_ID skipped
     ) -> None:
         self.backend.module.write_kv(
-            self.key_caches[layer], self.value_caches[layer],
-            self._native(key.contiguous()), self._native(value.contiguous()), slot_mapping,
+            self.key_caches[layer],
+            self.value_caches[layer],
+            self._native(key.contiguous()),
+            self._native(value.contiguous()),
+            slot_mapping,
         )
 
     def attend(
@@ -80,9 +90,43 @@ class PagedKV:
         sliding_window: int | None,
     ) -> torch.Tensor:  # [T, num_heads, head_dim] in self.dtype
         out = self.backend.module.paged_attention(
-            self._native(query.contiguous()), self.key_caches[layer], self.value_caches[layer],
-            block_table, seq_lens, query_start_loc, scale=scale, sliding_window=sliding_window,
+            self._native(query.contiguous()),
+            self.key_caches[layer],
+            self.value_caches[layer],
+            block_table,
+            seq_lens,
+            query_start_loc,
+            scale=scale,
+            sliding_window=sliding_window,
         )
+        if isinstance(out, torch.Tensor):
+            return out.to(self.device)
+        return torch.as_tensor(np.asarray(self.backend.to_numpy(out)), device=self.device)
+
+    def write_cross(self, layer: int, key: torch.Tensor, value: torch.Tensor, cross_slot_mapping: Any) -> None:
+        """The encoder's K/V [n_enc, num_kv_heads, head_dim] of the rows whose encoder runs, at their slots."""
+        self.backend.module.write_kv(
+            self.cross_key_caches[layer], self.cross_value_caches[layer],
+            self._native(key.contiguous()), self._native(value.contiguous()), cross_slot_mapping,
+        )  # fmt: skip
+
+    def attend_cross(
+        self,
+        layer: int,
+        query: torch.Tensor,  # [T, num_heads, head_dim]
+        block_table: Any,  # [num_reqs, max_blocks] the cross group's
+        encoder_seq_lens: Any,  # [num_reqs]
+        query_start_loc: Any,  # [num_reqs + 1]
+        *,
+        scale: float,
+    ) -> torch.Tensor:  # [T, num_heads, head_dim] in self.dtype
+        cross = cross_attention_of(self.backend)
+        if cross is None:
+            raise ValueError(f"backend {self.backend.name!r} has no cross_attention")
+        out = cross(
+            self._native(query.contiguous()), self.cross_key_caches[layer], self.cross_value_caches[layer],
+            block_table, encoder_seq_lens, query_start_loc, scale=scale,
+        )  # fmt: skip
         if isinstance(out, torch.Tensor):
             return out.to(self.device)
         return torch.as_tensor(np.asarray(self.backend.to_numpy(out)), device=self.device)
@@ -102,4 +146,6 @@ class PagedKV:
 
         clone.key_caches = [convert(c) for c in self.key_caches]
         clone.value_caches = [convert(c) for c in self.value_caches]
+        clone.cross_key_caches = [convert(c) for c in self.cross_key_caches]
+        clone.cross_value_caches = [convert(c) for c in self.cross_value_caches]
         return clone

@@ -8,12 +8,18 @@ cache (causal, the same window per layer): if every mapping is right, the two ag
 
 Weights are deterministic random float32 (no download). The dense forward casts them to float64
 exactly, so it is the high-precision reference for the float32 paged run.
+
+With `cross_attention` the model is an encoder-decoder (spec/cross_attention.py): a tiny encoder (embedding,
+sinusoidal positions, RMS norm) turns each request's encoder input ids into L states, and every layer adds
+a cross-attention sublayer after its self-attention: its encoder K/V are written through
+`cross_slot_mapping` on the step the request's encoder runs, and every step reads all L of them through
+the cross group's table and `encoder_seq_lens`. The dense forward computes the same from the whole input.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,6 +46,9 @@ class ModelConfig:
     # M-RoPE (spec/mrope.py): the rotary frequency pairs read from the temporal, height and width position
     # rows, in order (Qwen2-VL's mrope_section; they sum to head_dim // 2). None: plain RoPE at `positions`
     mrope_section: tuple[int, int, int] | None = None
+    # encoder-decoder: every layer also cross-attends to the request's encoder output, held in the KV config's
+    # cross_attention group (spec/cross_attention.py)
+    cross_attention: bool = False
 
     @property
     def num_layers(self) -> int:
@@ -76,7 +85,13 @@ class TinyDecoder:
         self.kv_groups = tuple(kv_groups)
         self.windows = tuple(self.kv_groups[g].sliding_window for g in config.layer_groups)  # [num_layers]
         self.device = torch.device(device)
+        self.cross_group = next((g for g, group in enumerate(self.kv_groups) if group.kind == "cross_attention"), None)
+        if self.cross_group in config.layer_groups:
+            raise ValueError(f"layer_groups {config.layer_groups}: group {self.cross_group} holds the encoder's KV")
+        if config.cross_attention and self.cross_group is None:
+            raise ValueError("cross_attention needs a cross_attention KV group for the encoder's KV")
         self._weights32 = _init_weights(config)
+        self._cross32 = _init_cross_weights(config) if config.cross_attention else []
         self._by_dtype: dict[torch.dtype, tuple[torch.Tensor, list[_Layer], torch.Tensor, torch.Tensor]] = {}
 
     def _weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, list[_Layer], torch.Tensor, torch.Tensor]:
@@ -84,13 +99,19 @@ class TinyDecoder:
             embed, layers, norm, head = self._weights32
             dev = self.device
             self._by_dtype[dtype] = (embed.to(dev, dtype), [la.to(dtype, dev) for la in layers],
-                                     norm.to(dev, dtype), head.to(dev, dtype))
+                                     norm.to(dev, dtype), head.to(dev, dtype))  # fmt: skip
         return self._by_dtype[dtype]
 
-    def forward_paged(self, batch: BatchInputs, kv: PagedKV) -> torch.Tensor:  # [num_reqs, vocab] in kv.dtype
+    def forward_paged(
+        self,
+        batch: BatchInputs,
+        kv: PagedKV,
+        encoder_ids: Sequence[int] = (),  # [sum(scheduled_encoder_lens)] the encoder inputs of the rows it runs for
+    ) -> torch.Tensor:  # [num_reqs, vocab] in kv.dtype
         """One engine step in the caches' dtype (float32 normally; float64 to replay a step as a reference)."""
         cfg = self.config
         embed, layers, final_norm, lm_head = self._weights(kv.dtype)
+        cross = self._cross_step(batch, kv, encoder_ids) if cfg.cross_attention else None
         input_ids = kv.index_tensor(batch.input_ids)  # [T]
         positions = kv.index_tensor(batch.positions)  # [T]
         num_tokens = input_ids.shape[0]
@@ -110,14 +131,60 @@ class TinyDecoder:
             attn = kv.attend(
                 layer_idx, q, batch.block_tables[g], batch.seq_lens, batch.query_start_loc,
                 scale=1.0 / math.sqrt(cfg.head_dim), sliding_window=window,
-            )  # [T, H, hd]
+            )  # [T, H, hd]  # fmt: skip
             x = x + attn.reshape(num_tokens, cfg.num_heads * cfg.head_dim) @ layer.wo
+            if cross is not None:
+                x = x + cross(layer_idx, x)
             x = x + _mlp(_rms_norm(x, layer.mlp_norm, cfg.rms_eps), layer)
         last = x[kv.index_tensor(batch.logits_indices).long()]  # [num_reqs, D]: only rows that sample
         return _rms_norm(last, final_norm, cfg.rms_eps) @ lm_head
 
+    def _cross_step(
+        self, batch: BatchInputs, kv: PagedKV, encoder_ids: Sequence[int]
+    ) -> Callable[[int, torch.Tensor], torch.Tensor]:
+        """Write the step's encoder K/V at cross_slot_mapping; return layer -> its cross-attention sublayer."""
+        cfg, cross = self.config, self._cross_weights(kv.dtype)
+        lens = kv.index_tensor(batch.scheduled_encoder_lens).long()  # [num_reqs] encoder tokens written now
+        if len(encoder_ids) != int(lens.sum()):
+            raise ValueError(f"{len(encoder_ids)} encoder ids for {int(lens.sum())} encoder tokens written this step")
+        ids = torch.as_tensor(list(encoder_ids), dtype=torch.long, device=self.device)  # [n_enc]
+        starts = torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)  # [n_enc] each token's row start
+        states = self._encode(ids, torch.arange(ids.numel(), device=self.device) - starts, kv.dtype)  # [n_enc, D]
+        g, n = self.cross_group, ids.numel()
+        if g is None:  # refused when the model is built; here for the type checker
+            raise ValueError("cross_attention needs a cross_attention KV group")
+        for layer_idx, c in enumerate(cross):
+            k = (states @ c.wk).view(n, cfg.num_kv_heads, cfg.head_dim)
+            v = (states @ c.wv).view(n, cfg.num_kv_heads, cfg.head_dim)
+            kv.write_cross(layer_idx, k, v, batch.cross_slot_mapping)
+
+        def sublayer(layer_idx: int, x: torch.Tensor) -> torch.Tensor:
+            c = cross[layer_idx]
+            q = (_rms_norm(x, c.norm, cfg.rms_eps) @ c.wq).view(x.shape[0], cfg.num_heads, cfg.head_dim)
+            out = kv.attend_cross(layer_idx, q, batch.block_tables[g], batch.encoder_seq_lens, batch.query_start_loc,
+                                  scale=1.0 / math.sqrt(cfg.head_dim))  # fmt: skip
+            return out.reshape(x.shape[0], cfg.num_heads * cfg.head_dim) @ c.wo
+
+        return sublayer
+
+    def _encode(self, ids: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The tiny encoder: embedding plus sinusoidal positions (within each request's input), RMS-normed."""
+        embed = self._weights(dtype)[0]
+        d = self.config.hidden_size
+        freq = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64, device=self.device) / d)  # [D/2]
+        angles = positions.to(torch.float64)[:, None] * freq[None, :]  # [n, D/2]
+        sinusoid = torch.cat([angles.sin(), angles.cos()], dim=-1).to(dtype)  # [n, D]
+        return _rms_norm(embed[ids] + sinusoid, torch.ones(d, dtype=dtype, device=self.device), self.config.rms_eps)
+
+    def _cross_weights(self, dtype: torch.dtype) -> list[_CrossLayer]:
+        return [c.to(dtype, self.device) for c in self._cross32]
+
     def forward_dense(
-        self, token_ids: Sequence[int], dtype: torch.dtype = torch.float64, mrope_positions: np.ndarray | None = None
+        self,
+        token_ids: Sequence[int],
+        dtype: torch.dtype = torch.float64,
+        mrope_positions: np.ndarray | None = None,
+        encoder_ids: Sequence[int] = (),  # with cross_attention: the request's whole encoder input
     ) -> torch.Tensor:
         """Logits [L, vocab] at every position of one whole sequence, no cache: position p predicts token p+1.
 
@@ -133,7 +200,11 @@ class TinyDecoder:
         cos, sin = self._rope(rotary, dtype)
         x = embed[ids]
         group = cfg.num_heads // cfg.num_kv_heads
-        for layer, window in zip(layers, self.windows, strict=True):
+        cross = self._cross_weights(dtype)
+        if cfg.cross_attention:
+            enc_ids = torch.as_tensor(list(encoder_ids), dtype=torch.long, device=self.device)  # [L_enc]
+            states = self._encode(enc_ids, torch.arange(enc_ids.numel(), device=self.device), dtype)  # [L_enc, D]
+        for layer_idx, (layer, window) in enumerate(zip(layers, self.windows, strict=True)):
             h = _rms_norm(x, layer.attn_norm, cfg.rms_eps)
             q = _apply_rope((h @ layer.wq).view(length, cfg.num_heads, cfg.head_dim), cos, sin)
             k = _apply_rope((h @ layer.wk).view(length, cfg.num_kv_heads, cfg.head_dim), cos, sin)
@@ -146,6 +217,13 @@ class TinyDecoder:
             weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
             attn = torch.einsum("hqk,khd->qhd", weights, v)
             x = x + attn.reshape(length, cfg.num_heads * cfg.head_dim) @ layer.wo
+            if cross:  # every position sees every encoder state: no mask
+                c = cross[layer_idx]
+                q = (_rms_norm(x, c.norm, cfg.rms_eps) @ c.wq).view(length, cfg.num_heads, cfg.head_dim)
+                ek = (states @ c.wk).view(-1, cfg.num_kv_heads, cfg.head_dim).repeat_interleave(group, dim=1)
+                ev = (states @ c.wv).view(-1, cfg.num_kv_heads, cfg.head_dim).repeat_interleave(group, dim=1)
+                w = torch.softmax(torch.einsum("qhd,khd->hqk", q, ek) / math.sqrt(cfg.head_dim), dim=-1)
+                x = x + torch.einsum("hqk,khd->qhd", w, ev).reshape(length, cfg.num_heads * cfg.head_dim) @ c.wo
             x = x + _mlp(_rms_norm(x, layer.mlp_norm, cfg.rms_eps), layer)
         return _rms_norm(x, final_norm, cfg.rms_eps) @ lm_head
 
@@ -186,6 +264,44 @@ def sequence_mrope_positions(table: object, delta: int, length: int) -> np.ndarr
     prompt = np.zeros((3, 0), np.int64) if table is None else np.asarray(table, np.int64)
     past = np.arange(prompt.shape[1], length, dtype=np.int64) + delta  # [length - prompt_len]
     return np.concatenate([prompt, np.broadcast_to(past, (3, past.size))], axis=1)
+
+
+def encoder_input_ids(prompt: Sequence[int], length: int, vocab_size: int) -> tuple[int, ...]:
+    """A request's encoder input, derived from its prompt (a stand-in for audio frames or image patches)."""
+    return tuple((7 * prompt[i % len(prompt)] + i) % vocab_size for i in range(length)) if prompt else ()
+
+
+@dataclass
+class _CrossLayer:
+    norm: torch.Tensor  # [D]
+    wq: torch.Tensor  # [D, H * hd]
+    wk: torch.Tensor  # [D, KVH * hd], applied to the encoder's states
+    wv: torch.Tensor  # [D, KVH * hd]
+    wo: torch.Tensor  # [H * hd, D]
+
+    def to(self, dtype: torch.dtype, device: torch.device) -> _CrossLayer:
+        return _CrossLayer(**{k: v.to(dtype=dtype, device=device) for k, v in vars(self).items()})
+
+
+def _init_cross_weights(config: ModelConfig) -> list[_CrossLayer]:
+    """The cross-attention sublayers' weights, from a generator of their own: the decoder's stay as they were."""
+    gen = torch.Generator().manual_seed(config.seed + 1)
+    d = config.hidden_size
+    q_width, kv_width = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+
+    def normal(*shape: int, std: float) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, dtype=torch.float32) * std
+
+    return [
+        _CrossLayer(
+            norm=1.0 + normal(d, std=0.1),
+            wq=normal(d, q_width, std=d**-0.5),
+            wk=normal(d, kv_width, std=d**-0.5),
+            wv=normal(d, kv_width, std=d**-0.5),
+            wo=normal(q_width, d, std=q_width**-0.5),
+        )
+        for _ in range(config.num_layers)
+    ]
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
