@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
@@ -17,8 +18,10 @@ from rich.text import Text
 
 from conformance.scheduler import Workload
 from conformance.scheduler.mrope import with_position_tables
-from slotmap.pictures.steps import StepView
 from spec.types import WorkerConfig
+
+if TYPE_CHECKING:  # steps.py imports this module for seeded_step(mrope=True): no cycle at run time
+    from slotmap.pictures.steps import StepView
 
 
 def with_mrope(config: WorkerConfig, workload: Workload, seed: int) -> tuple[WorkerConfig, Workload]:
