@@ -140,7 +140,23 @@ def test_host_step_interleaved(benchmark: Any, bench_budget: float, workload: Wo
     tens of percent. Here every timed round of fast follows one step of the peer on the same workload,
     timed by the same clock (pytest-benchmark's), so both medians see the same machine.
     """
-    fast_provider, peer_provider = providers.get(provider_name), providers.get("numpy-vectorised")
+    what = "apply + prepare + record_sampled, fast's rounds interleaved with numpy-vectorised's"
+    _interleaved(benchmark, bench_budget, workload, provider_name, "numpy-vectorised", "host_step_interleaved", what)
+
+
+@pytest.mark.parametrize(("workload", "provider_name"), _cases(("fast-async",)))
+def test_async_step_interleaved(benchmark: Any, bench_budget: float, workload: Workload, provider_name: str) -> None:
+    """The cost of async scheduling (spec/async_steps.py): fast's async host step, rounds interleaved with fast's
+    synchronous one on the same workload (no drafts: what is timed is the device-side record and its bookkeeping)."""
+    what = "apply + prepare + record_sampled under async scheduling, rounds interleaved with fast's synchronous step"
+    _interleaved(benchmark, bench_budget, workload, provider_name, "fast", "async_step_interleaved", what)
+
+
+def _interleaved(
+    benchmark: Any, bench_budget: float, workload: Workload, provider_name: str, peer_name: str, stage: str, what: str
+) -> None:
+    """`provider_name`'s host step timed, with one step of `peer_name` between its rounds, timed by the same clock."""
+    fast_provider, peer_provider = providers.get(provider_name), providers.get(peer_name)
     fast_stream, peer_stream = StepStream(workload), StepStream(workload)
     fast_pool, peer_pool = started(fast_provider, fast_stream), started(peer_provider, peer_stream)
     fast_sampled = fast_provider.asarray(fast_stream.sampled(workload.num_reqs))
@@ -161,8 +177,7 @@ def test_host_step_interleaved(benchmark: Any, bench_budget: float, workload: Wo
 
     _, sched, batch = reference(workload)
     nbytes = _apply_bytes(sched) + _batch_bytes(batch) + 8 * workload.num_reqs
-    record(benchmark, "host_step_interleaved", workload, provider_name, nbytes=nbytes, reference="numpy-vectorised",
-           what="apply + prepare + record_sampled, fast's rounds interleaved with numpy-vectorised's")  # fmt: skip
+    record(benchmark, stage, workload, provider_name, nbytes=nbytes, reference=peer_name, what=what)
     run_stateful(benchmark, target, setup, bench_budget)
     if peer_times:
         benchmark.extra_info["reference_median"] = float(np.median(peer_times[1:] or peer_times))

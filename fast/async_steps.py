@@ -1,13 +1,14 @@
-"""Async scheduling on the device: spec/async_steps.py's rules with the sampled ids never read by the host in time.
+"""Async scheduling in fast: spec/async_steps.py's rules with the sampled ids never read by the host in time.
 
-record_sampled leaves the ids where they are. One pass of torch ops (no host sync: no .item(), no boolean
-indexing, no data-dependent shapes) checks them as spec.drafts.check_accepted does, appends each taking row's
-accepted tokens (or, after a fault, PLACEHOLDER_TOKEN_ID for its 1 + k tokens) to the device token store at the
-device's own count of known tokens, and keeps each row's rejected drafts on the device. The host meanwhile counts
-every taking row's 1 + k tokens (the scheduler's optimistic count) and starts a copy of what it will need later.
+record_sampled leaves the ids where they are. On the device (Triton, fast/kernels/record_ahead.py: two launches)
+they are checked as spec.drafts.check_accepted does, and each taking row's accepted tokens (or, after a fault,
+PLACEHOLDER_TOKEN_ID for its 1 + k tokens) are appended to the token store at the device's own count of known
+tokens; each row's rejected drafts stay on the device. In host mode (CPU tensors without Triton) one compiled
+loop does the same on host memory. The host meanwhile counts every taking row's 1 + k tokens (the scheduler's
+optimistic count) and starts a copy of what it needs later.
 
-The next apply corrects num_computed on the device (`correct_on_device`). The apply after it reads the copy
-(`read_due`): the host mirror learns the rejections, and a fault raises spec's error, rebuilt from the copied ids.
+The next apply corrects num_computed on the device (`commit`). The apply after it reads the copy (`read_due`):
+the host mirror learns the rejections, and a fault raises spec's error, rebuilt from the copied ids.
 """
 
 from __future__ import annotations
@@ -16,12 +17,16 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from numba import njit
 
-from fast.runtime import HostCopy, start_host_copy
+from fast.kernels.record_ahead import record_ahead_triton
+from fast.runtime import HostCopy, interpret, start_host_copy, upload
 from fast.state import DeviceState
 from spec.async_steps import REPORTED_AFTER, first_fault
 from spec.state import PoolState, StepPlan
 from spec.types import PLACEHOLDER_TOKEN_ID, WorkerConfig
+
+_EMPTY = np.zeros(0, np.int64)
 
 
 @dataclass
@@ -29,24 +34,31 @@ class _Record:
     """One record_sampled in flight: what the host needs of it once its copy is read."""
 
     at: int  # the steps applied when it was recorded; read by the first apply after at + REPORTED_AFTER
-    req_ids: tuple[str, ...]  # [m] the taking rows' requests
-    rows: np.ndarray  # [m] int64 req_state_idx of the taking rows
+    req_ids: tuple[str, ...]  # [n] the batch's requests
+    taking: np.ndarray  # [m] int64 batch_idx of the taking rows
+    rows: np.ndarray  # [m] int64 their req_state_idx
     num_drafts: np.ndarray  # [m] int64 their drafts
-    drafts: list[np.ndarray]  # [m] their draft ids
-    copy: HostCopy  # written [m], known before [m], tokens [m, w], fault [1]
+    draft_ids: np.ndarray  # [sum(num_drafts)] their drafts end to end
     one_per_row: bool  # the ids came as [n]
+    copy: HostCopy  # written [m], known before [m], faults [m], tokens [m, w]
     continuing: np.ndarray | None = None  # [c] rows the next apply corrected on the device (set then)
+    freed: np.ndarray | None = None  # [f] rows the next apply freed (their counts went with them)
 
 
 class AheadState:
     """The device's count of known tokens and rejected drafts, and the records whose host copy is unread."""
 
-    def __init__(self, config: WorkerConfig, dev: DeviceState) -> None:
+    def __init__(self, config: WorkerConfig, dev: DeviceState, host_mode: bool, interpreted: bool) -> None:
         self.config = config
         self.dev = dev
+        self.host_mode = host_mode
+        self._interpret = interpreted
         rows = config.max_num_reqs
         self.num_known = torch.zeros(rows, dtype=torch.int64, device=dev.device)  # [R] tokens held, exact
         self.num_rejected = torch.zeros(rows, dtype=torch.int64, device=dev.device)  # [R] the last record's
+        if host_mode:  # host memory: the compiled loop and the commit work on NumPy views of the same arrays
+            self._known_np, self._rejected_np = self.num_known.numpy(), self.num_rejected.numpy()
+            self._computed_np = dev.num_computed.numpy()
         self.in_flight: list[_Record] = []
 
     # ---- record_sampled ---------------------------------------------------------------------------------
@@ -61,120 +73,123 @@ class AheadState:
         draft_ids: np.ndarray,  # [sum(num_drafts)] batch order
         sampled: torch.Tensor,  # [n] or [n, width] integer ids, on the device
     ) -> None:
-        device = self.dev.device
         taking = np.flatnonzero(takes)  # [m] batch_idx
+        taking_rows, k = rows[taking], num_drafts[taking]  # [m], [m]
         state.sampled_in[:] = -1
-        state.sampled_in[rows[taking]] = taking
-        state.num_unverified_drafts[rows[taking]] = num_drafts[taking]
-        starts = np.cumsum(num_drafts) - num_drafts
-        drafts = [draft_ids[starts[b] : starts[b] + num_drafts[b]] for b in taking]
-        k = num_drafts[taking]  # [m]
-        width = max(int(sampled.shape[1]) if sampled.ndim == 2 else 1, 1 + int(k.max(initial=0)))
-        self.dev.reserve_tokens(int(state.num_known_tokens[rows[taking]].max(initial=0)) + width)
-        state.num_known_tokens[rows[taking]] += 1 + k  # the scheduler's count: every draft assumed accepted
+        state.sampled_in[taking_rows] = taking
+        state.num_unverified_drafts[taking_rows] = k
         if not taking.size:
             return
-        tokens = sampled.reshape(rows.size, -1).to(torch.int64)[torch.from_numpy(taking).to(device)]  # [m, w]
-        row_t = torch.from_numpy(rows[taking]).to(device)
-        known = self.num_known[row_t]  # [m] before the record
         one_per_row = sampled.ndim < 2
-        args = (tokens, row_t, known, torch.from_numpy(k).to(device), drafts, width, one_per_row)
-        written, fault = self._append(*args)
-        self.num_rejected.zero_()
-        self.num_rejected[row_t] = torch.from_numpy(1 + k).to(device) - written
-        copy = start_host_copy(written, known, tokens, fault.reshape(1))
-        taking_ids = tuple(req_ids[b] for b in taking)
-        self.in_flight.append(_Record(applied_steps, taking_ids, rows[taking], k, drafts, copy, one_per_row))
-
-    def _append(
-        self,
-        tokens: torch.Tensor,  # [m, w] int64 the taking rows' ids
-        rows: torch.Tensor,  # [m] int64 req_state_idx
-        known: torch.Tensor,  # [m] int64 device count before the record
-        num_drafts: torch.Tensor,  # [m] int64
-        drafts: list[np.ndarray],  # [m] host draft ids
-        width: int,  # >= w and >= 1 + max(num_drafts): the columns written
-        one_per_row: bool,  # the ids came as [n]: one token per row, -1 an id (out of the vocabulary)
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # [m] int64 tokens appended per row, [] bool any fault
-        """spec.drafts.check_accepted for every row at once; then append, all rows or (after a fault) placeholders."""
-        m, w = tokens.shape
-        config, device = self.config, tokens.device
-        cols = torch.arange(width, device=device)  # [width]
-        padded = torch.full((m, width), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=device)
-        padded[:, :w] = tokens
-        is_placeholder = padded == PLACEHOLDER_TOKEN_ID
-        if one_per_row:
-            count = torch.ones(m, dtype=torch.int64, device=device)
+        tokens = sampled.reshape(rows.size, -1)
+        width = max(int(tokens.shape[1]), 1 + int(k.max()))  # a row writes its ids, or 1 + k placeholders
+        self.dev.reserve_tokens(int(state.num_known_tokens[taking_rows].max()) + width)
+        state.num_known_tokens[taking_rows] += 1 + k  # the scheduler's count: every draft assumed accepted
+        starts = (np.cumsum(num_drafts) - num_drafts)[taking]  # [m] each taking row's first draft in draft_ids
+        own_drafts = draft_ids[np.repeat(takes, num_drafts)]  # [sum(k)] the taking rows' drafts, batch order
+        if self.host_mode:
+            copy = self._record_host(tokens, taking, taking_rows, k, draft_ids.astype(np.int64), starts, one_per_row)
         else:
-            count = torch.where(is_placeholder.any(1), is_placeholder.to(torch.int64).argmax(1), width)
-        kept = cols[None, :] < count[:, None]  # [m, width]
-        draft_grid = torch.full((m, width), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=device)
-        if drafts and max(d.size for d in drafts):
-            host = np.full((m, width), PLACEHOLDER_TOKEN_ID, np.int64)
-            for i, d in enumerate(drafts):
-                host[i, : d.size] = d
-            draft_grid = torch.from_numpy(host).to(device)
-        fault = (
-            (count == 0)
-            | (~is_placeholder & ~kept).any(1)  # a token after the placeholder
-            | (count > 1 + num_drafts)
-            | (kept & ((padded < 0) | (padded >= config.vocab_size))).any(1)
-            | (kept & (cols[None, :] < count[:, None] - 1) & (padded != draft_grid)).any(1)
-            | (known + count > config.max_model_len)
-        ).any()  # [] bool, stays on the device
-        written = torch.where(fault, 1 + num_drafts, count)  # [m]
-        values = torch.where(fault, torch.full_like(padded, PLACEHOLDER_TOKEN_ID), padded)
-        limit = min(self.dev.token_capacity, config.max_model_len) - 1
-        positions = (known[:, None] + cols[None, :]).clamp(max=limit)  # [m, width]
-        write = cols[None, :] < written[:, None]
-        write &= known[:, None] + cols[None, :] <= limit
-        store = self.dev.token_ids
-        row_grid = rows[:, None].expand(m, width)
-        old = store[row_grid, positions].to(torch.int64)
-        # An accumulated delta instead of a masked scatter: the entries not written add 0, so the clamped
-        # positions they share with real ones cannot race them, and no boolean index forces a host sync.
-        delta = torch.where(write, values - old, 0).to(store.dtype)
-        store.index_put_((row_grid, positions), delta, accumulate=True)
-        self.num_known[rows] = known + written
-        return written, fault
+            copy = self._record_device(tokens, taking, taking_rows, k, draft_ids, starts, one_per_row)
+        self.in_flight.append(_Record(applied_steps, req_ids, taking, taking_rows, k, own_drafts, one_per_row, copy))
+
+    def _record_host(
+        self,
+        tokens: torch.Tensor,  # [n, w] the caller's ids (CPU)
+        taking: np.ndarray,  # [m] int64 batch_idx
+        rows: np.ndarray,  # [m] int64 req_state_idx
+        k: np.ndarray,  # [m] int64 drafts
+        draft_ids: np.ndarray,  # [sum(drafts of the batch)] int64
+        starts: np.ndarray,  # [m] int64 each row's first draft
+        one_per_row: bool,
+    ) -> HostCopy:
+        ids = tokens.numpy().astype(np.int64, copy=False)
+        m = taking.size
+        written, known, faults = np.empty(m, np.int64), np.empty(m, np.int64), np.empty(m, np.int32)
+        store = self.dev.token_ids_np
+        if store is None:
+            raise RuntimeError("host mode keeps the token store in NumPy (fast/state.py), but this pool has none")
+        config = self.config
+        _record_compiled(ids, taking, rows, k, starts, draft_ids, one_per_row, config.vocab_size,
+                         config.max_model_len, self._known_np, self._rejected_np, store,
+                         written, known, faults)  # fmt: skip
+        return HostCopy.of_host(written, known, faults, ids[taking])
+
+    def _record_device(
+        self,
+        tokens: torch.Tensor,  # [n, w] on the device
+        taking: np.ndarray,
+        rows: np.ndarray,
+        k: np.ndarray,
+        draft_ids: np.ndarray,
+        starts: np.ndarray,
+        one_per_row: bool,
+    ) -> HostCopy:
+        device = self.dev.device
+        ids = tokens.to(torch.int64).contiguous()
+        packed = upload(np.concatenate([taking, rows, k, starts, draft_ids.astype(np.int64), [0]]), device)
+        m = taking.size
+        taking_t, rows_t, k_t, starts_t = (packed[i * m : (i + 1) * m] for i in range(4))
+        config = self.config
+        with interpret(self._interpret):
+            written, known, faults = record_ahead_triton(
+                ids, taking_t, rows_t, k_t, starts_t, packed[4 * m :], self.num_known, self.num_rejected,
+                self.dev.token_ids, one_per_row, int(k.max()), config.vocab_size, config.max_model_len,
+            )  # fmt: skip
+        return start_host_copy(written, known, faults, ids[taking_t])
 
     # ---- apply --------------------------------------------------------------------------------------
     def commit(self, plan: StepPlan, continuing: np.ndarray) -> None:
         """After the next apply's commit: correct its continuing rows' num_computed on the device (rule 2)."""
-        device = self.dev.device
-        if plan.freed_rows.size:
-            freed = torch.from_numpy(plan.freed_rows).to(device)
+        if self.host_mode:  # the mirror's arrays are the device's (fast/state.py): NumPy on them directly
+            known, rejected, computed = self._known_np, self._rejected_np, self._computed_np
+            known[plan.freed_rows] = 0
+            rejected[plan.freed_rows] = 0
+            known[plan.new_rows] = plan.prompt_lens
+            computed[continuing] -= rejected[continuing]
+            rejected[:] = 0
+        else:
+            device = self.dev.device
+            freed, new, cont = (upload(a, device) for a in (plan.freed_rows, plan.new_rows, continuing))
             self.num_known[freed] = 0
             self.num_rejected[freed] = 0
-        if plan.new_rows.size:
-            self.num_known[torch.from_numpy(plan.new_rows).to(device)] = torch.from_numpy(plan.prompt_lens).to(device)
-        if continuing.size:
-            cont = torch.from_numpy(continuing).to(device)
+            self.num_known[new] = upload(plan.prompt_lens, device)
             self.dev.num_computed[cont] -= self.num_rejected[cont]
-        self.num_rejected.zero_()
+            self.num_rejected.zero_()
         for record in self.in_flight:
             if record.continuing is None:
-                record.continuing = continuing
+                record.continuing, record.freed = continuing, plan.freed_rows
 
-    def read_due(self, state: PoolState, applied_steps: int, shares_computed: bool) -> None:
+    def read_due(self, state: PoolState, applied_steps: int) -> None:
         """At an apply: read the copies of records REPORTED_AFTER steps old; correct the mirror; raise a fault."""
         while self.in_flight and self.in_flight[0].at + REPORTED_AFTER <= applied_steps:
             record = self.in_flight.pop(0)
-            written, known, tokens, fault = record.copy.wait()
+            written, known, faults, tokens = record.copy.wait()
             rejected = 1 + record.num_drafts - written  # [m]
-            owned = np.array([state.req_ids[r] == q for r, q in zip(record.rows, record.req_ids, strict=True)], bool)
-            state.num_known_tokens[record.rows[owned]] -= rejected[owned]
-            if not shares_computed and record.continuing is not None:  # host mode corrected it in shared memory
-                by_row = dict(zip(record.rows.tolist(), rejected.tolist(), strict=True))
-                cont = record.continuing
-                state.num_computed_tokens[cont] -= np.array([by_row.get(r, 0) for r in cont.tolist()], np.int64)
-            if fault[0]:
-                counts = _counts_as_recorded(tokens, record.one_per_row)
-                takes = np.ones(len(record.req_ids), bool)
-                error = first_fault(record.req_ids, takes, tokens, counts, record.drafts, known, self.config)
-                if error is None:
-                    raise AssertionError("record_sampled: the device found a fault that spec's checks do not")
-                raise error
+            held = ~np.isin(record.rows, _EMPTY if record.freed is None else record.freed)  # [m] same owner
+            state.num_known_tokens[record.rows[held]] -= rejected[held]
+            if not self.host_mode and record.continuing is not None:  # host mode corrected the shared array
+                by_row = np.zeros(self.config.max_num_reqs, np.int64)
+                by_row[record.rows[held]] = rejected[held]
+                state.num_computed_tokens[record.continuing] -= by_row[record.continuing]
+            if faults.any():
+                raise self._fault(record, tokens, known)
+
+    def _fault(self, record: _Record, tokens: np.ndarray, known: np.ndarray) -> Exception:
+        """spec's error for the record's first faulty row, from the copied ids."""
+        counts = _counts_as_recorded(tokens, record.one_per_row)
+        ends = np.cumsum(record.num_drafts)
+        drafts = [record.draft_ids[e - n : e] for e, n in zip(ends, record.num_drafts, strict=True)]
+        req_ids = tuple(record.req_ids[b] for b in record.taking)
+        takes = np.ones(len(req_ids), bool)
+        error = first_fault(req_ids, takes, tokens, counts, drafts, known, self.config)
+        if error is None:
+            return AssertionError("record_sampled: the device found a fault that spec's checks do not")
+        return error
+
+    def known_counts(self) -> np.ndarray:
+        """[R] the device's exact count of known tokens (a host read: for snapshot)."""
+        return self.num_known.cpu().numpy()
 
 
 def _counts_as_recorded(tokens: np.ndarray, one_per_row: bool) -> np.ndarray:
@@ -183,3 +198,52 @@ def _counts_as_recorded(tokens: np.ndarray, one_per_row: bool) -> np.ndarray:
         return np.ones(tokens.shape[0], np.int64)
     is_placeholder = np.concatenate([tokens == PLACEHOLDER_TOKEN_ID, np.ones((tokens.shape[0], 1), bool)], axis=1)
     return is_placeholder.argmax(axis=1).astype(np.int64)
+
+
+@njit(cache=True, nogil=True)
+def _record_compiled(  # pragma: no cover - compiled; tested through record_sampled against spec
+    tokens: np.ndarray,  # [n, w] int64
+    taking: np.ndarray,  # [m] int64 batch_idx
+    rows: np.ndarray,  # [m] int64 req_state_idx
+    num_drafts: np.ndarray,  # [m] int64
+    starts: np.ndarray,  # [m] int64 each row's first draft in draft_ids
+    draft_ids: np.ndarray,  # [sum] int64
+    one_per_row: bool,
+    vocab: int,
+    max_len: int,
+    num_known: np.ndarray,  # [R] int64, advanced
+    num_rejected: np.ndarray,  # [R] int64 out
+    token_ids: np.ndarray,  # [R, capacity] int32 (room reserved)
+    written: np.ndarray,  # [m] int64 out
+    known_before: np.ndarray,  # [m] int64 out
+    faults: np.ndarray,  # [m] int32 out
+) -> None:
+    """fast/kernels/record_ahead.py's two kernels as one loop on host memory: every check, then every append."""
+    m, w = taking.shape[0], tokens.shape[1]
+    any_fault = False
+    for i in range(m):
+        b, k = taking[i], num_drafts[i]
+        count = 1 if one_per_row else w
+        if not one_per_row:
+            for j in range(w):
+                if tokens[b, j] == PLACEHOLDER_TOKEN_ID:
+                    count = j
+                    break
+        fault = count == 0 or count > 1 + k or num_known[rows[i]] + count > max_len
+        for j in range(count, w):
+            fault = fault or tokens[b, j] != PLACEHOLDER_TOKEN_ID
+        for j in range(count):
+            fault = fault or tokens[b, j] < 0 or tokens[b, j] >= vocab
+            fault = fault or (j < count - 1 and tokens[b, j] != draft_ids[starts[i] + j])
+        written[i] = count
+        known_before[i] = num_known[rows[i]]
+        faults[i] = fault
+        any_fault = any_fault or fault
+    for i in range(m):
+        b, row, k, known = taking[i], rows[i], num_drafts[i], known_before[i]
+        n = 1 + k if any_fault else written[i]
+        for j in range(min(n, max_len - known)):
+            token_ids[row, known + j] = PLACEHOLDER_TOKEN_ID if any_fault else tokens[b, j]
+        written[i] = n
+        num_known[row] = known + n
+        num_rejected[row] = 1 + k - n

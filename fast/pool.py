@@ -78,12 +78,12 @@ class RequestStatePool:
         self._prepared_seq_lens_np = np.zeros(0, np.int64)  # [num_reqs] its seq_lens
         self._prepared_drafts: tuple[np.ndarray, np.ndarray] | None = None  # its batch_drafts; None: none
         self._applied_steps = 0  # outputs applied: the clock of async scheduling's late reads (spec/async_steps.py)
-        self.ahead = AheadState(config, self.dev) if config.async_scheduling else None
+        self.ahead = AheadState(config, self.dev, self.host_mode, self._interpret) if config.async_scheduling else None
 
     # ---- apply -------------------------------------------------------------------------------------
     def apply(self, sched: SchedulerOutput) -> None:
         if self.ahead is not None:  # the copies of records a step old: the mirror learns their verdicts
-            self.ahead.read_due(self.state, self._applied_steps, shares_computed=self.host_mode)
+            self.ahead.read_due(self.state, self._applied_steps)
         # spec's plan_step decides async steps the bulk path does not model (spec/async_steps.py): drafts after
         # unverified ones (rule 5), and windows checked from the lowest start a verdict may give (rule 4)
         bulk = self.ahead is None or not (sched.scheduled_spec_decode_tokens or self.state.num_unverified_drafts.any())
@@ -232,7 +232,7 @@ class RequestStatePool:
         lengths = state.num_known_tokens[occupied]
         computed = state.num_computed_tokens
         if self.ahead is not None:  # the host's counts are optimistic until read: ask the device (a sync)
-            lengths = self.ahead.num_known.cpu().numpy()[occupied]
+            lengths = self.ahead.known_counts()[occupied]
             computed = self.dev.num_computed.cpu().numpy()
         held = int(lengths.max()) if occupied else 0
         if self.dev.token_ids_np is not None:

@@ -99,6 +99,13 @@ class HostCopy:
         else:
             self._host = tuple(t.clone() for t in tensors)
 
+    @classmethod
+    def of_host(cls, *arrays: np.ndarray) -> HostCopy:
+        """Arrays already on the host (host mode), fresh ones: nothing to copy or wait for."""
+        copy = cls(())
+        copy._host = tuple(torch.from_numpy(a) for a in arrays)
+        return copy
+
     def wait(self) -> list[np.ndarray]:
         if self._event is not None:
             self._event.synchronize()
