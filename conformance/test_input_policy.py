@@ -183,8 +183,8 @@ def test_record_sampled_takes_only_the_batch_of_the_last_prepare(backend: Backen
 # ---- 4. malformed fields and containers --------------------------------------------------------------------
 # One named output per case, applied after FIRST, each tagged with its kind in conformance.mutations'
 # MALFORMATIONS (check 1's kinds are conformance.malformed.CHECK_ONE; checks 6 and 9 own the id types), which
-# gives the class refused. Kind None: no generator makes the case, so only this test does.
-MALFORMED: dict[str, tuple[str | None, str | None, str, Callable[[], SchedulerOutput]]] = {
+# gives the class refused; (kind, the request and the field the error names, the output).
+MALFORMED: dict[str, tuple[str, str | None, str, Callable[[], SchedulerOutput]]] = {
     "bytes req id beside str": ("non-str req id", None, "req_id",
         lambda: AnyOutput(new_requests=(AnyNew(b"a", (1,), ((9,), (10,))),), num_scheduled_tokens={b"a": 1})),
     "int req id": ("non-str req id", None, "req_id",
@@ -227,7 +227,7 @@ MALFORMED: dict[str, tuple[str | None, str | None, str, Callable[[], SchedulerOu
         lambda: AnyOutput(cached_requests=(AnyCached("a", 6.0),), num_scheduled_tokens={"a": 1})),
     "bool computed count": ("bool count", "c", "num_computed_tokens",
         lambda: AnyOutput(new_requests=(AnyNew("c", (1,), ((9,), (10,)), False),), num_scheduled_tokens={"c": 1})),
-    "None computed count": (None, "a", "num_computed_tokens",
+    "None computed count": ("None count", "a", "num_computed_tokens",
         lambda: AnyOutput(cached_requests=(AnyCached("a", None),), num_scheduled_tokens={"a": 1})),
     "int resumed flag": ("non-bool resumed", "a", "resumed",
         lambda: AnyOutput(cached_requests=(AnyCached("a", 0, ((41, 42), (43, 44)), 1),),
@@ -243,23 +243,48 @@ MALFORMED: dict[str, tuple[str | None, str | None, str, Callable[[], SchedulerOu
                           num_scheduled_tokens={"c": 1})),
     "cached_requests as a generator": ("generator container", None, "cached_requests",
         lambda: AnyOutput(cached_requests=(r for r in (AnyCached("a", 6),)), num_scheduled_tokens={"a": 1})),
-    "new request as a tuple": (None, None, "new_requests",
+    "new request as a tuple": ("request as a tuple", None, "new_requests",
         lambda: AnyOutput(new_requests=(("c", (1,), ((9,), (10,))),), num_scheduled_tokens={"c": 1})),
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("case", sorted(MALFORMED))
-def test_a_malformed_field_or_container_is_refused(backend: BackendHandle, case: str) -> None:
+NOT_GENERATED = ("None count", "request as a tuple")  # kinds no generator makes (check 1): these cases only
+CONTAINERS = ("generator container", "items container", "request as a tuple")
+REPEATS = ("repeated finished id", "repeated new request", "repeated cached request", "new and cached")
+
+
+def _cases(kinds: tuple[str, ...], inside: bool = True) -> list[str]:
+    return sorted(case for case, (kind, *_) in MALFORMED.items() if (kind in kinds) == inside)
+
+
+def _refused_after_first(backend: BackendHandle, case: str) -> None:
     kind, req_id, field, make = MALFORMED[case]
-    error = InconsistentSchedulerOutputError if kind is None else MALFORMATIONS[kind][0]
+    error = InconsistentSchedulerOutputError if kind in NOT_GENERATED else MALFORMATIONS[kind][0]
     pair = _pair(backend)
     _refused(pair, lambda pool: pool.apply(make()), error, req_id, field)
     _decode_both(pair)
 
 
+@pytest.mark.parametrize("case", _cases(CONTAINERS + REPEATS, inside=False))
+def test_a_field_of_the_wrong_type_is_refused(backend: BackendHandle, case: str) -> None:
+    _refused_after_first(backend, case)
+
+
+@pytest.mark.parametrize("case", _cases(CONTAINERS))
+def test_a_container_of_the_wrong_kind_is_refused(backend: BackendHandle, case: str) -> None:
+    _refused_after_first(backend, case)
+
+
+@pytest.mark.parametrize("case", _cases(REPEATS))
+def test_an_id_listed_twice_is_refused(backend: BackendHandle, case: str) -> None:
+    _refused_after_first(backend, case)
+
+
 def test_every_kind_of_check_one_malformation_has_a_named_case() -> None:
-    kinds = {kind for kind, *_ in MALFORMED.values() if kind is not None}
-    assert kinds <= set(MALFORMATIONS), sorted(kinds - set(MALFORMATIONS))
+    """The cases name the generators' kinds (so a renamed or new kind shows here) and cover all of check 1's."""
+    kinds = {kind for kind, *_ in MALFORMED.values()}
+    assert kinds - set(NOT_GENERATED) <= set(MALFORMATIONS), sorted(kinds - set(NOT_GENERATED) - set(MALFORMATIONS))
+    assert not set(NOT_GENERATED) & set(MALFORMATIONS), "a generator makes it now: tag its cases with that kind"
     assert set(CHECK_ONE) <= kinds, f"no named case of {sorted(set(CHECK_ONE) - kinds)}"
 
 
