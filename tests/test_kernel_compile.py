@@ -39,6 +39,8 @@ REGISTER_BUDGET = {
     "_write_kv_kernel": 64,
     "_prepare_kernel": 64,
     "_apply_writes_kernel": 64,
+    "_check_sampled_kernel": 64,
+    "_append_sampled_kernel": 64,
 }
 
 
@@ -168,6 +170,19 @@ def apply_writes_launch(num_groups: int) -> Launch:
     return _only(launches)
 
 
+def record_ahead_launch(which: int, one_per_row: bool) -> Launch:
+    """Async scheduling's record_sampled: launch `which` (0 check, 1 append), ids as [n] or [n, width]."""
+    from fast.kernels.record_ahead import record_ahead_triton
+
+    index = functools.partial(torch.empty, dtype=torch.int64, device="meta")
+    m, rows = 6, 16
+    tokens, store = index((8, 1 if one_per_row else 4)), torch.empty((rows, 256), dtype=torch.int32, device="meta")
+    with captured_launches() as launches:
+        record_ahead_triton(tokens, index(m), index(m), index(m), index(m), index(13), index(rows), index(rows),
+                            store, one_per_row, 3, 32000, 4096)  # fmt: skip
+    return launches[which]
+
+
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 HEAD_DIMS = (64, 96, 128)  # 96: not a power of two, the kernels mask the padded lanes
 INT64_SLOTS = 2**31 + 2**20  # a cache with more slots than int32 holds: Triton passes the count as int64
@@ -217,6 +232,10 @@ def _cases() -> dict[str, tuple[Callable[[], Launch], tuple[int, ...]]]:
         cases[f"prepare-g{groups}-blocks{blocks}"] = (functools.partial(prepare_launch, groups, blocks), ARCHS)
     for groups in (1, 3):
         cases[f"apply_writes-g{groups}"] = (functools.partial(apply_writes_launch, groups), ARCHS)
+    for which, one_per_row in itertools.product((0, 1), (False, True)):
+        form = "one-per-row" if one_per_row else "accepted"
+        kind = ("check", "append")[which]
+        cases[f"record_ahead-{kind}-{form}"] = (functools.partial(record_ahead_launch, which, one_per_row), ARCHS)
     return cases
 
 
@@ -311,9 +330,11 @@ def test_every_kernel_is_compiled() -> None:
     import fast.kernels.apply_writes
     import fast.kernels.paged_attention
     import fast.kernels.prepare
+    import fast.kernels.record_ahead
     import fast.kernels.write_kv
 
-    modules = (fast.kernels.apply_writes, fast.kernels.paged_attention, fast.kernels.prepare, fast.kernels.write_kv)
+    modules = (fast.kernels.apply_writes, fast.kernels.paged_attention, fast.kernels.prepare,
+               fast.kernels.record_ahead, fast.kernels.write_kv)  # fmt: skip
     defined = {name for m in modules for name, obj in vars(m).items() if isinstance(obj, Kernel)}
     covered = {launch().kernel.fn.__name__ for launch, _ in CASES.values()}
     assert defined == covered == set(REGISTER_BUDGET)

@@ -49,12 +49,12 @@ def record_ahead_triton(
     if m == 0:
         return written, known, faults
     block = triton.next_power_of_2(max(w, 1))
-    _check_kernel[(m,)](
+    _check_sampled_kernel[(m,)](
         tokens, taking, num_drafts, draft_starts, draft_ids, rows, num_known, counts, known, faults,
         w, vocab, max_len, ONE_PER_ROW=one_per_row, BLOCK=block,
     )  # fmt: skip
     append_block = triton.next_power_of_2(max(w, 1 + max_drafts))  # a row writes its ids, or 1 + k placeholders
-    _append_kernel[(m,)](
+    _append_sampled_kernel[(m,)](
         tokens, taking, rows, num_drafts, counts, known, faults, m, num_known, num_rejected, written, token_ids,
         token_ids.stride(0), w, max_len, PLACEHOLDER=PLACEHOLDER_TOKEN_ID, BLOCK=append_block,
         FAULTS_BLOCK=FAULTS_BLOCK,
@@ -63,7 +63,7 @@ def record_ahead_triton(
 
 
 @kernel
-def _check_kernel(
+def _check_sampled_kernel(
     tokens_ptr,  # [n, w] int64
     taking_ptr,  # [m] int64 batch_idx
     num_drafts_ptr,  # [m] int64
@@ -106,7 +106,7 @@ def _check_kernel(
 
 
 @kernel
-def _append_kernel(
+def _append_sampled_kernel(
     tokens_ptr,  # [n, w] int64
     taking_ptr,  # [m] int64 batch_idx
     rows_ptr,  # [m] int64 req_state_idx
