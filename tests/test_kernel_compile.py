@@ -41,6 +41,7 @@ REGISTER_BUDGET = {
     "_apply_writes_kernel": 64,
     "_check_sampled_kernel": 64,
     "_append_sampled_kernel": 64,
+    "_mrope_positions_kernel": 64,
 }
 
 
@@ -183,6 +184,20 @@ def record_ahead_launch(which: int, one_per_row: bool) -> Launch:
     return launches[which]
 
 
+def mrope_launch(num_tokens: int) -> Launch:
+    """M-RoPE positions (fast/kernels/mrope.py) for a batch of 4 rows, tables of a 4096-column capacity."""
+    from fast.kernels.mrope import mrope_positions_triton
+
+    num_reqs, index = 4, functools.partial(torch.empty, device="meta")
+    with captured_launches() as launches:
+        mrope_positions_triton(
+            index((3, num_tokens), dtype=torch.int64), index(num_tokens, dtype=torch.int64),
+            index(num_reqs + 1, dtype=torch.int32), index(num_reqs, dtype=torch.int32),
+            index((2, num_reqs), dtype=torch.int64), index((8, 3, 4096), dtype=torch.int64),
+        )  # fmt: skip
+    return _only(launches)
+
+
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 HEAD_DIMS = (64, 96, 128)  # 96: not a power of two, the kernels mask the padded lanes
 INT64_SLOTS = 2**31 + 2**20  # a cache with more slots than int32 holds: Triton passes the count as int64
@@ -236,6 +251,8 @@ def _cases() -> dict[str, tuple[Callable[[], Launch], tuple[int, ...]]]:
         form = "one-per-row" if one_per_row else "accepted"
         kind = ("check", "append")[which]
         cases[f"record_ahead-{kind}-{form}"] = (functools.partial(record_ahead_launch, which, one_per_row), ARCHS)
+    for num_tokens in (5, 8192):  # a tile below BLOCK_TOKENS and the full one
+        cases[f"mrope_positions-t{num_tokens}"] = (functools.partial(mrope_launch, num_tokens), ARCHS)
     return cases
 
 
@@ -328,13 +345,14 @@ def test_kernel_compiles_without_spilling(name: str, arch: int) -> None:
 def test_every_kernel_is_compiled() -> None:
     """A kernel added to fast.kernels without a case here would escape the checks above."""
     import fast.kernels.apply_writes
+    import fast.kernels.mrope
     import fast.kernels.paged_attention
     import fast.kernels.prepare
     import fast.kernels.record_ahead
     import fast.kernels.write_kv
 
     modules = (fast.kernels.apply_writes, fast.kernels.paged_attention, fast.kernels.prepare,
-               fast.kernels.record_ahead, fast.kernels.write_kv)  # fmt: skip
+               fast.kernels.record_ahead, fast.kernels.write_kv, fast.kernels.mrope)  # fmt: skip
     defined = {name for m in modules for name, obj in vars(m).items() if isinstance(obj, Kernel)}
     covered = {launch().kernel.fn.__name__ for launch, _ in CASES.values()}
     assert defined == covered == set(REGISTER_BUDGET)
