@@ -135,3 +135,29 @@ def test_backend_handle_builds_pools_in_its_mode(launches: Counter[str], enabled
         pool.prepare(sched)
     kernels = enabled or torch.cuda.is_available()
     assert launches == (Counter({"_apply_writes_kernel": 1, "_prepare_kernel": 1}) if kernels else Counter())
+
+
+@pytest.mark.interpret
+def test_a_model_with_mrope_adds_one_launch_to_prepare(launches: Counter[str]) -> None:
+    """docs/architecture.md: M-RoPE positions (fast/kernels/mrope.py) are one more launch per prepare, none in apply."""
+    config = WorkerConfig(4, 48, 64, 100, (KVCacheGroup(4, 64),), uses_mrope=True)
+    table = ((0, 1, 2, 2, 2, 2), (0, 1, 2, 2, 3, 3), (0, 1, 2, 3, 2, 3))
+    pool = fast.RequestStatePool(config)
+    image = NewRequest("img", tuple(range(6)), ((1, 2),), mrope_positions=table, mrope_position_delta=-2)
+    steps = [
+        SchedulerOutput(
+            new_requests=(image, NewRequest("txt", (5, 6), ((3,),))), num_scheduled_tokens={"img": 4, "txt": 2}
+        ),
+        SchedulerOutput(
+            cached_requests=(CachedRequest("img", 4), CachedRequest("txt", 2)),
+            num_scheduled_tokens={"img": 2, "txt": 1},
+        ),
+    ]
+    for sched in steps:
+        launches.clear()
+        pool.apply(sched)
+        assert launches == Counter({"_apply_writes_kernel": 1}), launches
+        launches.clear()
+        batch = pool.prepare(sched)
+        assert launches == Counter({"_prepare_kernel": 1, "_mrope_positions_kernel": 1}), launches
+        pool.record_sampled(batch, np.ones(batch.num_reqs, np.int64))
