@@ -2,11 +2,10 @@
 
 Each row's table length and delta stay on the host (prepare gathers them per batch row and, under Triton,
 uploads them with the launch: `[2, num_reqs]`, no device state to keep in step). The tables themselves:
-- host mode: `[R, 3, max_model_len]` int64 NumPy zeros, which map untouched pages lazily (as spec's token
-  store), so memory follows the tables held; prepare is a compiled loop over them;
-- Triton: `[R, 3, capacity]` int64 on the device, `capacity` growing (doubling) with the longest table
-  held, never `max_model_len` up front: an engine-sized pool allocates nothing until a multimodal request
-  arrives; prepare is fast.kernels.mrope's one launch.
+`[R, 3, capacity]` int64, `capacity` growing (doubling, up to max_model_len) with the longest table held,
+as fast.state grows its token store: an engine-sized pool (4096 rows x 131072 tokens would be 12 GiB)
+allocates nothing until a multimodal request arrives. In host mode they are NumPy (prepare is a compiled
+loop over them); under Triton they live on the device (prepare is fast.kernels.mrope's one launch).
 """
 
 from __future__ import annotations
@@ -29,14 +28,10 @@ class DeviceMRope:
         self.config, self.device, self.host_mode = config, device, host_mode
         self.lengths = np.zeros(rows, np.int64)  # [R] req_state_idx -> table columns (0: a text request)
         self.deltas = np.zeros(rows, np.int64)  # [R] req_state_idx -> mrope_position_delta
-        self.capacity = config.max_model_len if host_mode else 0  # table columns held
-        # [R, 3, capacity] int64 req_state_idx -> position table (a view of tables_np in host mode)
-        self.tables_np = np.zeros((rows, NUM_MROPE_ROWS, self.capacity), np.int64) if host_mode else None
-        self.tables = (
-            torch.from_numpy(self.tables_np)
-            if self.tables_np is not None
-            else torch.zeros((rows, NUM_MROPE_ROWS, 0), dtype=torch.int64, device=device)
-        )
+        self.capacity = 0  # table columns held: _reserve grows it
+        # [R, 3, capacity] int64 req_state_idx -> position table: NumPy in host mode, else on the device
+        self.tables_np = np.zeros((rows, NUM_MROPE_ROWS, 0), np.int64) if host_mode else None
+        self.tables = torch.zeros((rows, NUM_MROPE_ROWS, 0), dtype=torch.int64, device=device)
 
     def commit(self, freed_rows: np.ndarray, writes: MRopeWrites | None) -> None:
         """spec.mrope.MRopeRows.commit: finished rows lose their table, then the step's new tables are stored."""
@@ -45,10 +40,10 @@ class DeviceMRope:
         if writes is None or not writes.rows.size:
             return
         starts = np.cumsum(writes.lengths) - writes.lengths  # [m] where each table begins in writes.tables
+        self._reserve(int(writes.lengths.max()))
         if self.tables_np is not None:
             store_tables(self.tables_np, writes.rows, starts, writes.lengths, writes.tables)
         else:
-            self._reserve(int(writes.lengths.max()))
             packed = upload(writes.tables, self.device)  # [3, sum(lengths)] one copy for the step's tables
             for row, start, n in zip(writes.rows.tolist(), starts.tolist(), writes.lengths.tolist(), strict=True):
                 self.tables[row, :, :n] = packed[:, start : start + n]
@@ -59,9 +54,16 @@ class DeviceMRope:
         if length <= self.capacity:
             return
         capacity = min(self.config.max_model_len, max(length, 2 * self.capacity, _MIN_CAPACITY))
-        grown = torch.zeros((self.config.max_num_reqs, NUM_MROPE_ROWS, capacity), dtype=torch.int64, device=self.device)
-        grown[:, :, : self.capacity] = self.tables
-        self.tables, self.capacity = grown, capacity
+        shape = (self.config.max_num_reqs, NUM_MROPE_ROWS, capacity)
+        if self.tables_np is not None:
+            grown_np = np.zeros(shape, np.int64)
+            grown_np[:, :, : self.capacity] = self.tables_np
+            self.tables_np = grown_np
+        else:
+            grown = torch.zeros(shape, dtype=torch.int64, device=self.device)
+            grown[:, :, : self.capacity] = self.tables
+            self.tables = grown
+        self.capacity = capacity
 
     def positions(self, batch: BatchInputs, rows: np.ndarray) -> torch.Tensor:
         """`[3, T]` int64 M-RoPE positions of a prepared batch (its positions, query_start_loc and rows)."""
@@ -81,7 +83,7 @@ class DeviceMRope:
 
 @njit(cache=True, nogil=True)
 def store_tables(  # pragma: no cover - compiled; tested through the pool against spec
-    tables: np.ndarray,  # [R, 3, max_model_len] int64
+    tables: np.ndarray,  # [R, 3, capacity] int64 (room reserved)
     rows: np.ndarray,  # [m] int64 req_state_idx
     starts: np.ndarray,  # [m] int64 where each table begins in `packed`
     lengths: np.ndarray,  # [m] int64 columns of each table
@@ -98,7 +100,7 @@ def mrope_positions_host(  # pragma: no cover - compiled; tested through the poo
     positions: np.ndarray,  # [T] int64 flat token index -> position
     query_start_loc: np.ndarray,  # [num_reqs + 1] int32
     rows: np.ndarray,  # [num_reqs] int64 batch_idx -> req_state_idx
-    tables: np.ndarray,  # [R, 3, max_model_len] int64
+    tables: np.ndarray,  # [R, 3, capacity] int64
     lengths: np.ndarray,  # [R] int64 req_state_idx -> table columns
     deltas: np.ndarray,  # [R] int64 req_state_idx -> delta
 ) -> None:

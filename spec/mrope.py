@@ -120,25 +120,27 @@ def mrope_writes(new_requests: Sequence[NewRequest], new_rows: Sequence[int]) ->
 
 
 class MRopeRows:
-    """Every row's position table and delta: the state M-RoPE positions are cut from."""
+    """Every row's position table and delta: the state M-RoPE positions are cut from.
+
+    A table per row, as long as its prompt: memory follows the tables held, never [R, 3, max_model_len].
+    """
 
     def __init__(self, config: WorkerConfig) -> None:
         rows = config.max_num_reqs
-        # [R, 3, max_model_len] int64; np.zeros maps untouched pages lazily, so memory follows the tables held
-        self.tables = np.zeros((rows, NUM_MROPE_ROWS, config.max_model_len), np.int64)
-        self.lengths = np.zeros(rows, np.int64)  # [R] req_state_idx -> table columns (0: no table, a text request)
+        # [R] req_state_idx -> its [3, prompt_len] int64 table; [3, 0] for a text request (and a free row)
+        self.tables: list[np.ndarray] = [_NO_TABLE] * rows
         self.deltas = np.zeros(rows, np.int64)  # [R] req_state_idx -> mrope_position_delta
 
     def commit(self, freed_rows: np.ndarray, writes: MRopeWrites | None) -> None:
         """Finished rows lose their table (the next owner may be a text request), then new tables are stored."""
-        self.lengths[freed_rows] = 0  # [f] req_state_idx
+        for row in freed_rows.tolist():  # [f] req_state_idx
+            self.tables[row] = _NO_TABLE
         self.deltas[freed_rows] = 0
         if writes is None:
             return
         starts = np.cumsum(writes.lengths) - writes.lengths  # [m] where each table begins in writes.tables
         for row, start, length in zip(writes.rows.tolist(), starts.tolist(), writes.lengths.tolist(), strict=True):
-            self.tables[row, :, :length] = writes.tables[:, start : start + length]
-        self.lengths[writes.rows] = writes.lengths
+            self.tables[row] = writes.tables[:, start : start + length].copy()
         self.deltas[writes.rows] = writes.deltas
 
     def positions(
@@ -147,20 +149,17 @@ class MRopeRows:
         token_rows: np.ndarray,  # [num_tokens] int64 flat token index -> req_state_idx (not padded)
     ) -> np.ndarray:
         """`[3, T]` int64: the module docstring's rule for every real token, 0 for padding."""
-        return mrope_positions(positions, token_rows, self.tables, self.lengths, self.deltas)
+        lengths = np.array([t.shape[1] for t in self.tables], np.int64)  # [R] table columns (0: no table)
+        deltas = self.deltas
+        num_tokens = token_rows.size
+        out = np.zeros((NUM_MROPE_ROWS, positions.size), TOKEN_DTYPE)  # [3, T] padding columns stay 0
+        p = positions[:num_tokens]  # [num_tokens]
+        out[:, :num_tokens] = p + deltas[token_rows]  # past the prompt (and without a table): p + delta on all rows
+        in_prompt = p < lengths[token_rows]  # [num_tokens] a prompt token of a request with a table
+        for row in np.unique(token_rows[in_prompt]).tolist():
+            mine = np.flatnonzero(in_prompt & (token_rows == row))  # [k] flat indices of the row's prompt tokens
+            out[:, mine] = self.tables[row][:, p[mine]]  # column p of its table
+        return out
 
 
-def mrope_positions(
-    positions: np.ndarray,  # [T] int64 flat token index -> position (0 for padding)
-    token_rows: np.ndarray,  # [num_tokens] int64 flat token index -> req_state_idx
-    tables: np.ndarray,  # [R, 3, max_model_len] int64 req_state_idx -> its position table
-    lengths: np.ndarray,  # [R] int64 req_state_idx -> table columns (its prompt length; 0 without a table)
-    deltas: np.ndarray,  # [R] int64 req_state_idx -> mrope_position_delta
-) -> np.ndarray:
-    num_tokens = token_rows.size
-    out = np.zeros((NUM_MROPE_ROWS, positions.size), TOKEN_DTYPE)  # [3, T] padding columns stay 0
-    p = positions[:num_tokens]  # [num_tokens]
-    out[:, :num_tokens] = p + deltas[token_rows]  # past the prompt (and without a table): p + delta on all rows
-    in_prompt = np.flatnonzero(p < lengths[token_rows])  # [k] flat indices of prompt tokens of a table
-    out[:, in_prompt] = tables[token_rows[in_prompt], :, p[in_prompt]].T  # [k, 3] -> [3, k]: column p of the table
-    return out
+_NO_TABLE = np.zeros((NUM_MROPE_ROWS, 0), np.int64)
