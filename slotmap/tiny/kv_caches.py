@@ -40,6 +40,8 @@ class PagedKV:
             shape = (kv_groups[g].num_blocks, kv_groups[g].block_size, num_kv_heads, head_dim)
             self.key_caches.append(self._nan(shape))
             self.value_caches.append(self._nan(shape))
+        # per layer of a hybrid model: [num_blocks, state_size], the recurrent states (slotmap/tiny/recurrent.py)
+        self.states: list[torch.Tensor] = []
         self.cross_key_caches: list[Any] = []  # per layer, the encoder's KV (spec/cross_attention.py)
         self.cross_value_caches: list[Any] = []
         if cross_group is not None:
@@ -148,4 +150,5 @@ class PagedKV:
         clone.value_caches = [convert(c) for c in self.value_caches]
         clone.cross_key_caches = [convert(c) for c in self.cross_key_caches]
         clone.cross_value_caches = [convert(c) for c in self.cross_value_caches]
+        clone.states = [s.to(clone.device, dtype).clone() for s in self.states]
         return clone

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from slotmap.tiny.kv_caches import PagedKV
+from slotmap.tiny.recurrent import RecurrentLayer, dense_recurrence, init_recurrent_weights, recurrent_step
 from spec.types import BatchInputs, KVCacheGroup
 
 FLOAT32_EPS = float(np.finfo(np.float32).eps)
@@ -49,6 +50,10 @@ class ModelConfig:
     # encoder-decoder: every layer also cross-attends to the request's encoder output, held in the KV config's
     # cross_attention group (spec/cross_attention.py)
     cross_attention: bool = False
+    # hybrid: every layer also runs a recurrent sublayer (slotmap/tiny/recurrent.py) whose per-request state lives
+    # in the state blocks of the KV config's mamba group (spec/mamba.py)
+    mamba: bool = False
+    state_size: int = 16
 
     @property
     def num_layers(self) -> int:
@@ -92,6 +97,11 @@ class TinyDecoder:
             raise ValueError("cross_attention needs a cross_attention KV group for the encoder's KV")
         self._weights32 = _init_weights(config)
         self._cross32 = _init_cross_weights(config) if config.cross_attention else []
+        self.mamba_group = next((g for g, group in enumerate(self.kv_groups) if group.kind == "mamba"), None)
+        if self.mamba_group in config.layer_groups or (config.mamba and self.mamba_group is None):
+            raise ValueError(f"a mamba group holds the recurrent sublayers' states, not a layer's KV: {config}")
+        recurrent = (config.num_layers, config.hidden_size, config.state_size, config.seed)
+        self._recurrent32 = init_recurrent_weights(*recurrent) if config.mamba else []
         self._by_dtype: dict[torch.dtype, tuple[torch.Tensor, list[_Layer], torch.Tensor, torch.Tensor]] = {}
 
     def _weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, list[_Layer], torch.Tensor, torch.Tensor]:
@@ -112,6 +122,7 @@ class TinyDecoder:
         cfg = self.config
         embed, layers, final_norm, lm_head = self._weights(kv.dtype)
         cross = self._cross_step(batch, kv, encoder_ids) if cfg.cross_attention else None
+        recur = self._recurrent_step(batch, kv) if cfg.mamba else None
         input_ids = kv.index_tensor(batch.input_ids)  # [T]
         positions = kv.index_tensor(batch.positions)  # [T]
         num_tokens = input_ids.shape[0]
@@ -135,6 +146,8 @@ class TinyDecoder:
             x = x + attn.reshape(num_tokens, cfg.num_heads * cfg.head_dim) @ layer.wo
             if cross is not None:
                 x = x + cross(layer_idx, x)
+            if recur is not None:
+                x = x + recur(layer_idx, x)
             x = x + _mlp(_rms_norm(x, layer.mlp_norm, cfg.rms_eps), layer)
         last = x[kv.index_tensor(batch.logits_indices).long()]  # [num_reqs, D]: only rows that sample
         return _rms_norm(last, final_norm, cfg.rms_eps) @ lm_head
@@ -166,6 +179,16 @@ class TinyDecoder:
             return out.reshape(x.shape[0], cfg.num_heads * cfg.head_dim) @ c.wo
 
         return sublayer
+
+    def _recurrent_weights(self, dtype: torch.dtype) -> list[RecurrentLayer]:
+        return [r.to(dtype, self.device) for r in self._recurrent32]
+
+    def _recurrent_step(self, batch: BatchInputs, kv: PagedKV) -> Callable[[int, torch.Tensor], torch.Tensor]:
+        g = self.mamba_group
+        if g is None:  # refused when the model is built; here for the type checker
+            raise ValueError("a hybrid model needs a mamba KV group for its states")
+        layers = self._recurrent_weights(kv.dtype)
+        return recurrent_step(layers, batch, kv, g, self.kv_groups[g].num_blocks, self.config.rms_eps)
 
     def _encode(self, ids: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The tiny encoder: embedding plus sinusoidal positions (within each request's input), RMS-normed."""
@@ -201,6 +224,7 @@ class TinyDecoder:
         x = embed[ids]
         group = cfg.num_heads // cfg.num_kv_heads
         cross = self._cross_weights(dtype)
+        recurrent = self._recurrent_weights(dtype)
         if cfg.cross_attention:
             enc_ids = torch.as_tensor(list(encoder_ids), dtype=torch.long, device=self.device)  # [L_enc]
             states = self._encode(enc_ids, torch.arange(enc_ids.numel(), device=self.device), dtype)  # [L_enc, D]
@@ -224,6 +248,8 @@ class TinyDecoder:
                 ev = (states @ c.wv).view(-1, cfg.num_kv_heads, cfg.head_dim).repeat_interleave(group, dim=1)
                 w = torch.softmax(torch.einsum("qhd,khd->hqk", q, ek) / math.sqrt(cfg.head_dim), dim=-1)
                 x = x + torch.einsum("hqk,khd->qhd", w, ev).reshape(length, cfg.num_heads * cfg.head_dim) @ c.wo
+            if recurrent:
+                x = x + dense_recurrence(recurrent[layer_idx], x, cfg.rms_eps)
             x = x + _mlp(_rms_norm(x, layer.mlp_norm, cfg.rms_eps), layer)
         return _rms_norm(x, final_norm, cfg.rms_eps) @ lm_head
 
