@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from typing import Any
 
 import numpy as np
 import pytest
@@ -28,6 +29,7 @@ from spec.errors import (
     NullBlockError,
     ScheduleError,
 )
+from spec.protocol import StatePool
 from spec.types import NULL_BLOCK_ID, CachedRequest, KVCacheGroup, NewRequest, SchedulerOutput, WorkerConfig
 
 # an attention group of 4-token blocks and a mamba group of 8-token state blocks with 2 speculative blocks
@@ -43,15 +45,15 @@ def _single_thread() -> object:
         yield
 
 
-def _step(pool: object, handle: BackendHandle, out: SchedulerOutput, sampled: list) -> dict:  # type: ignore[type-arg]
-    pool.apply(out)  # type: ignore[attr-defined]
-    batch = pool.prepare(out, pad_to=24)  # type: ignore[attr-defined]
+def _step(pool: StatePool, handle: BackendHandle, out: SchedulerOutput, sampled: list[Any]) -> dict[str, Any]:
+    pool.apply(out)
+    batch = pool.prepare(out, pad_to=24)
     got = handle.batch_to_numpy(batch)
-    pool.record_sampled(batch, handle.asarray(np.array(sampled)))  # type: ignore[attr-defined]
+    pool.record_sampled(batch, handle.asarray(np.array(sampled)))
     return got
 
 
-def _worked_run() -> list[tuple[SchedulerOutput, list]]:  # type: ignore[type-arg]
+def _worked_run() -> list[tuple[SchedulerOutput, list[Any]]]:
     """A prefills 10 tokens; then A verifies 2 drafts beside a new B; then A (one draft kept) decodes beside
     C, a prefix hit of 8 tokens whose state is cached in A's first state block (5)."""
     first = SchedulerOutput(
@@ -112,7 +114,7 @@ def test_speculative_blocks_are_part_of_the_table_width() -> None:
         KVCacheGroup(4, 16, kind="mamba", num_speculative_blocks=-1)
 
 
-def _after_two_steps(handle: BackendHandle) -> object:
+def _after_two_steps(handle: BackendHandle) -> StatePool:
     pool = handle.make_pool(CONFIG)
     for out, sampled in _worked_run()[:2]:
         _step(pool, handle, out, sampled)
@@ -148,13 +150,13 @@ FAULTS: dict[str, tuple[type[ScheduleError], str, SchedulerOutput]] = {
 def test_bad_mamba_inputs_are_refused_and_change_nothing(backend: BackendHandle, name: str) -> None:
     cls, words, out = FAULTS[name]
     pool = _after_two_steps(backend)
-    before = pool.snapshot()  # type: ignore[attr-defined]
+    before = pool.snapshot()
     with pytest.raises(cls, match=words) as caught:
-        pool.apply(out)  # type: ignore[attr-defined]
+        pool.apply(out)
     assert type(caught.value) is cls
-    assert pool.snapshot() == before  # type: ignore[attr-defined]
+    assert pool.snapshot() == before
     with pytest.raises(cls):  # spec refuses it the same way
-        _after_two_steps(BackendHandle("spec", spec)).apply(out)  # type: ignore[attr-defined]
+        _after_two_steps(BackendHandle("spec", spec)).apply(out)
 
 
 def _prefix_caching_scenario(spec_tokens: int = 0) -> object:
