@@ -27,6 +27,8 @@ TARGETED = "conformance/test_targeted.py"
 CONTEXT_PARALLEL = "conformance/test_context_parallel.py"
 CP_RANKS = "conformance/test_context_parallel_ranks.py"
 CP_UNIT = "tests/test_context_parallel.py"
+MAMBA = "conformance/test_mamba.py"
+TINY_HYBRID = "tests/test_tiny_hybrid.py"
 FP8_FAST = "tests/test_fast_fp8.py"
 ASYNC = "conformance/test_async.py"
 CROSS = "conformance/test_cross_attention.py"
@@ -194,6 +196,14 @@ MUTANTS: tuple[Mutant, ...] = (
         (MROPE,),
     ),
     Mutant(
+        "mrope-delta-not-kept-between-steps",
+        "M-RoPE: the delta is the request's from admission on, never changed between chunks (vLLM PR #10403)",
+        "fast/mrope.py",
+        "        self.deltas[freed_rows] = 0\n",
+        "        self.deltas[:] = 0\n",
+        (MROPE,),
+    ),
+    Mutant(
         "mrope-decode-rows-plain-positions",
         "M-RoPE: decode rows in a mixed batch get p + delta, not plain positions (SGLang PR #11330)",
         "fast/kernels/mrope.py",
@@ -313,5 +323,37 @@ MUTANTS: tuple[Mutant, ...] = (
         "slot = tl.load(slot_mapping_ptr + token).to(tl.int64)",
         "slot = tl.load(slot_mapping_ptr + token)",
         (f"{FP8_FAST}::test_fp8_cache_offsets_past_int32",),
+    ),
+    Mutant(
+        "mamba-fresh-row-reads-null-block",
+        "mamba: a row without prior state reads no state block (-1), never the null block (vLLM PR #33937)",
+        "fast/mamba.py",
+        "    read = torch.where(has_prior, table[rows, column], NO_STATE).to(torch.int32)",
+        "    read = torch.where(has_prior, table[rows, column], 0).to(torch.int32)",  # block 0 is the null block
+        (MAMBA, TINY_HYBRID),
+    ),
+    Mutant(
+        "mamba-fresh-row-reads-its-stale-block",
+        "mamba: a fresh row never reads the state a finished request left in its block (vLLM PR #37728)",
+        "fast/kernels/mamba.py",
+        "    prev = tl.load(entries + column, mask=base >= 0, other=-1)",
+        "    prev = tl.load(entries + column)",
+        (MAMBA,),
+    ),
+    Mutant(
+        "mamba-resumed-row-reads-its-old-state",
+        "mamba: a resumed request starts from its new table's state, not the one before its preemption",
+        "spec/validate.py",
+        "int(rows.prompt_lens[row]), s.fresh_tables, *last, min_block)",
+        "int(rows.prompt_lens[row]), False, *last, min_block)",
+        (MAMBA, TINY_HYBRID),
+    ),
+    Mutant(
+        "mamba-table-without-speculative-blocks",
+        "mamba: the table's width holds the speculative state blocks (vllm-ascend PR #11466)",
+        "spec/types.py",
+        "        spec_blocks = self.kv_groups[group].num_speculative_blocks\n",
+        "        spec_blocks = 0\n",
+        (MAMBA,),
     ),
 )
