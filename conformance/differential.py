@@ -188,8 +188,9 @@ class Pair:
             table, seq_lens, qsl = ref_batch.block_tables[g], ref_batch.seq_lens, ref_batch.query_start_loc
             # an fp8 cache: both references read the very codes (conformance/tolerance.py's fp8 rule)
             floats, codes = ((query,), (rk, rv)) if fp8 else ((query, rk, rv), ())
+            k64, v64 = (rk, rv) if fp8 else (np.asarray(rk, np.float64), np.asarray(rv, np.float64))
             ref64 = spec.paged_attention(
-                *(np.asarray(a, np.float64) for a in floats), *codes, table, seq_lens, qsl,
+                np.asarray(query, np.float64), k64, v64, table, seq_lens, qsl,
                 scale=att.scale, sliding_window=window, softcap=softcap, **fp8,
             )  # fmt: skip
             low = spec_in_dtype(

@@ -319,7 +319,7 @@ def test_fp8_write_kv_then_paged_attention_matches_dense_attention(
     queries = {r: rng.standard_normal((n, heads, dim)).astype(np.float32) for r, n in seqs.items()}
     k_scales = np.array([0.006, 0.7] if per_head else [0.3, 0.3], np.float32)  # 0.006 saturates e4m3 keys
     v_scales = np.array([1.9, 0.05] if per_head else [0.05, 0.05], np.float32)
-    scale_args = {
+    scale_args: dict[str, Any] = {
         "kv_cache_dtype": kv_cache_dtype,
         "k_scale": backend.asarray(k_scales) if per_head else float(k_scales[0]),
         "v_scale": backend.asarray(v_scales) if per_head else float(v_scales[0]),
