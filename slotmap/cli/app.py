@@ -89,6 +89,11 @@ def explain(
         typer.Option("--mrope", help="with --seed: a multimodal model with M-RoPE; shows each token's three "
                      "position rows (temporal, height, width) and whether they come from its table or p + delta"),
     ] = False,
+    hybrid: Annotated[
+        bool,
+        typer.Option("--hybrid", help="with --seed: a hybrid model with a Mamba state group; shows the state block "
+                     "each request starts from and the ones it writes (its drafts' too)"),
+    ] = False,
 ) -> None:
     """Show one step in the four index spaces: state rows, batch, flat tokens, each token's path to its slot."""
     from conformance.backends import load_backend
@@ -104,13 +109,15 @@ def explain(
         raise typer.BadParameter("--encoder-decoder needs --seed (the worked example is decoder-only)")
     if mrope and seed is None:
         raise typer.BadParameter("--mrope needs --seed (the worked example has no position tables)")
+    if hybrid and seed is None:
+        raise typer.BadParameter("--hybrid needs --seed (the worked example has no mamba group)")
     handle = load_backend(backend)
     try:
         if seed is None:
             view = steps.worked_example_step(handle, 2 if step is None else step, pad_to)
         else:
             view = steps.seeded_step(
-                handle, seed, step, pad_to, spec_tokens, async_scheduling, encoder_decoder, mrope=mrope
+                handle, seed, step, pad_to, spec_tokens, async_scheduling, encoder_decoder, mrope=mrope, hybrid=hybrid
             )
     except ValueError as e:  # a step past the schedule, or a pad_to below the step's tokens
         raise typer.BadParameter(str(e)) from e
@@ -129,6 +136,12 @@ def explain(
         tokens = explain_mrope(view)
         if tokens is not None:
             render_mrope(tokens, console)
+    if hybrid:
+        from slotmap.pictures.mamba import explain_mamba, render_mamba
+
+        states = explain_mamba(view)
+        if states is not None:
+            render_mamba(states, console)
     if async_scheduling:
         from slotmap.pictures.terminal import render_pending
 

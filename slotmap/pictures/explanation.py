@@ -132,7 +132,8 @@ def explain_step(view: StepView) -> Explanation:
         for g, group in enumerate(groups):
             logical, offset = divmod(position, group.block_size)
             physical = int(batch["block_tables"][g][b, logical])
-            writes = group.kind != "cross_attention"  # the encoder's slots are slotmap/pictures/cross.py's
+            # the encoder's slots are slotmap/pictures/cross.py's; a mamba group's states slotmap/pictures/mamba.py's
+            writes = group.kind not in ("cross_attention", "mamba")
             addresses.append(Address(logical, offset, physical, slots[g], group.block_size, writes))
         from_end = qsl[b + 1] - t  # 1 for the request's last token
         is_draft = from_end <= num_drafts[b]

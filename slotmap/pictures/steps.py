@@ -90,6 +90,7 @@ def seeded_step(
     async_scheduling: bool = False,
     encoder_decoder: bool = False,
     mrope: bool = False,
+    hybrid: bool = False,
 ) -> StepView:
     """Step `step` of a random workload run by the reference scheduler (same seed, same step, any backend).
 
@@ -97,7 +98,8 @@ def seeded_step(
     `pad_to` overrides the scheduler's padding bucket for the explained step. With `spec_tokens` the
     scheduler drafts (random drafts, up to that many per request) and its rejection step keeps some. With
     `async_scheduling` each step is sent one ahead (spec/async_steps.py): the batch lists its pending tokens.
-    With `encoder_decoder` the model has a cross-attention group (slotmap/pictures/cross.py).
+    With `encoder_decoder` the model has a cross-attention group (slotmap/pictures/cross.py); with `hybrid`
+    a mamba state group (slotmap/pictures/mamba.py).
     """
     from conformance.scheduler import ReferenceScheduler, SchedulerKnobs, make_workload
 
@@ -107,13 +109,17 @@ def seeded_step(
     config = dataclasses.replace(SEEDED_CONFIG, async_scheduling=async_scheduling)
     workload = make_workload(seed, config, num_requests=6, max_arrival_step=3, max_new_tokens=8)
     if encoder_decoder:
-        from slotmap.pictures.cross import with_encoder  # it reads StepView: imported here, not at the top
+        from conformance.scheduler.encoder import with_small_encoder
 
-        config, workload = with_encoder(config, workload, seed)
+        config, workload = with_small_encoder(config, workload, random.Random(seed))
     if mrope:  # a multimodal model: position tables on most requests (slotmap/pictures/mrope.py)
         from slotmap.pictures.mrope import with_mrope
 
         config, workload = with_mrope(config, workload, seed)
+    if hybrid:  # a hybrid model: a mamba state group (slotmap/pictures/mamba.py)
+        from slotmap.pictures.mamba import with_mamba
+
+        config = with_mamba(config, spec_tokens)
     knobs = SchedulerKnobs(max_chunk=12, pad_buckets=(8, 16, 24), spec_tokens=spec_tokens)
     sched = ReferenceScheduler(config, workload, knobs, seed=seed)
     pool = backend.make_pool(config)

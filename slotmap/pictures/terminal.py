@@ -72,7 +72,7 @@ def render(ex: Explanation, console: Console) -> None:
         )
 
     for g, group in enumerate(ex.groups):
-        if group.kind == "cross_attention":  # its slots are the encoder's (slotmap/pictures/cross.py)
+        if group.kind in ("cross_attention", "mamba"):  # the encoder's slots, or states (cross.py, mamba.py)
             continue
         paths = Table(title=f"{4 + g}. addresses in KV {group_label(g, group)}: position → slot")
         for col in ("flat idx", "req_id", "position", "→ (logical, offset)", "→ physical block", "→ slot"):
