@@ -31,3 +31,13 @@ def with_encoder(config: WorkerConfig, workload: Workload, rng: random.Random) -
     config = replace(config, kv_groups=tuple(groups), max_encoder_len=max_encoder_len)
     requests = tuple(replace(r, encoder_len=rng.randint(1, max_encoder_len)) for r in workload.requests)
     return config, replace(workload, requests=requests)
+
+
+def with_small_encoder(config: WorkerConfig, workload: Workload, rng: random.Random) -> tuple[WorkerConfig, Workload]:
+    """A readable variant for `slotmap explain`: the cross group last, block size 4, 1..12 encoder tokens a request,
+    blocks for every row's longest."""
+    blocks = config.max_num_reqs * math.ceil(12 / 4) + 1
+    groups = (*config.kv_groups, KVCacheGroup(4, blocks, kind="cross_attention"))
+    config = replace(config, kv_groups=groups, max_encoder_len=12)
+    requests = tuple(replace(r, encoder_len=rng.randint(1, 12)) for r in workload.requests)
+    return config, replace(workload, requests=requests)

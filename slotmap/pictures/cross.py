@@ -8,31 +8,14 @@ where the backend's slots differ from it).
 
 from __future__ import annotations
 
-import dataclasses
-import random
 from dataclasses import dataclass
 
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from conformance.scheduler import Workload
 from slotmap.pictures.steps import StepView
 from spec.cross_attention import cross_group
-from spec.types import KVCacheGroup, WorkerConfig
-
-CROSS_BLOCK_SIZE = 4
-MAX_ENCODER_LEN = 12
-
-
-def with_encoder(config: WorkerConfig, workload: Workload, seed: int) -> tuple[WorkerConfig, Workload]:
-    """The seeded step's model as an encoder-decoder: a cross group last, 1..12 encoder tokens a request."""
-    blocks = config.max_num_reqs * -(-MAX_ENCODER_LEN // CROSS_BLOCK_SIZE) + 1
-    cross = KVCacheGroup(CROSS_BLOCK_SIZE, blocks, kind="cross_attention")
-    config = dataclasses.replace(config, kv_groups=(*config.kv_groups, cross), max_encoder_len=MAX_ENCODER_LEN)
-    rng = random.Random(seed)
-    requests = tuple(dataclasses.replace(r, encoder_len=rng.randint(1, MAX_ENCODER_LEN)) for r in workload.requests)
-    return config, dataclasses.replace(workload, requests=requests)
 
 
 @dataclass(frozen=True)
