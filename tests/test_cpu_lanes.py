@@ -78,3 +78,18 @@ def test_widen_is_exact_for_every_16_bit_pattern() -> None:
     same = np.empty_like(x)
     _apply_widen(x, same)
     np.testing.assert_array_equal(same, x)
+
+
+def test_widen_decodes_every_fp8_code() -> None:
+    """All 256 codes of e4m3 (read as uint8) and e5m2 (read as int8) widen to spec.fp8's values, signed zeros,
+    infinities and NaNs included."""
+    from spec.fp8 import E4M3, E5M2, decode
+
+    codes = np.arange(256, dtype=np.uint8)
+    for fmt, view in ((E4M3, np.uint8), (E5M2, np.int8)):
+        want = decode(codes, fmt).astype(np.float32)
+        got = np.empty(256, np.float32)
+        _apply_widen(codes.view(view), got)
+        nan = np.isnan(want)
+        np.testing.assert_array_equal(got.view(np.uint32)[~nan], want.view(np.uint32)[~nan])
+        assert np.isnan(got[nan]).all()
