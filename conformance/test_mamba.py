@@ -114,6 +114,15 @@ def test_speculative_blocks_are_part_of_the_table_width() -> None:
         KVCacheGroup(4, 16, kind="mamba", num_speculative_blocks=-1)
 
 
+def test_context_parallelism_does_not_shard_a_mamba_group() -> None:
+    """The CP transform splits a group's KV by position; a mamba group's states are per request: replicated."""
+    from spec.context_parallel import ContextParallel
+
+    with pytest.raises(ValueError, match="holds Mamba states"):
+        ContextParallel(2, 0, sharded_groups=(1,)).check_config(CONFIG)
+    ContextParallel(2, 0, sharded_groups=(0,)).check_config(CONFIG)  # the attention group may be
+
+
 def _after_two_steps(handle: BackendHandle) -> StatePool:
     pool = handle.make_pool(CONFIG)
     for out, sampled in _worked_run()[:2]:

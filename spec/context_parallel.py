@@ -82,6 +82,8 @@ class ContextParallel:
             group = config.kv_groups[g]
             if group.kind == "cross_attention":  # the encoder's KV is not split by position (cross_attention.py)
                 raise ValueError(f"ContextParallel.sharded_groups: group {g} holds the encoder's KV; it is replicated")
+            if group.kind == "mamba":  # one state per request, not KV per position (spec/mamba.py)
+                raise ValueError(f"ContextParallel.sharded_groups: group {g} holds Mamba states; it is replicated")
             if group.sliding_window is not None:
                 raise ValueError(f"ContextParallel.sharded_groups: group {g} has a sliding window; it is replicated")
             if group.block_size % self.world_size or (group.block_size // self.world_size) % self.interleave:

@@ -17,12 +17,16 @@ backend must use the same order, so that an output with several faults raises th
  8. UnknownTokenError                 num_computed + num_scheduled > known tokens (+ k drafts), or a request
                                       with k drafts whose step does not end exactly at known + k
  9. BlockIdError                      id out of range, repeated among the entries not released by a
-                                      window, null without a window
-10. BlockTableOverflowError           more blocks than max_blocks_per_req
+                                      window, null without a window (a mamba table may hold nulls)
+10. BlockTableOverflowError           more blocks than max_blocks_per_req; more drafts than a mamba group's
+                                      speculative blocks
 11. MissingBlockError                 a scheduled token past the last block; a cross table shorter than
-                                      its encoder's L tokens, or new cross blocks on a step not starting at 0
-12. NullBlockError                    a token writes to or attends through the null block
-13. DuplicateSlotError                two tokens of the step write one slot
+                                      its encoder's L tokens, or new cross blocks on a step not starting at 0;
+                                      a mamba state the step reads never kept, or a mamba table short of it
+                                      or of the last draft's state (spec/mamba.py)
+12. NullBlockError                    a token writes to or attends through the null block; the null block
+                                      as a mamba state read or written
+13. DuplicateSlotError                two tokens of the step write one slot; two requests one state block
 
 What each field accepts (the input policy, docs/semantics.md): req ids are `str`; counts are integers of
 any integer type but not bools; ids (prompt tokens, block ids) are tuples or lists of integers (`operator.index`)
