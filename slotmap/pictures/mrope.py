@@ -8,25 +8,13 @@ shown in red.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from conformance.scheduler import Workload
-from conformance.scheduler.mrope import with_position_tables
-from spec.types import WorkerConfig
-
-if TYPE_CHECKING:  # steps.py imports this module for seeded_step(mrope=True): no cycle at run time
-    from slotmap.pictures.steps import StepView
-
-
-def with_mrope(config: WorkerConfig, workload: Workload, seed: int) -> tuple[WorkerConfig, Workload]:
-    """The seeded step's model with M-RoPE, most of its requests multimodal (a table of text runs and grids)."""
-    return dataclasses.replace(config, uses_mrope=True), with_position_tables(workload, seed, share=0.8)
+from slotmap.pictures.steps import StepView
 
 
 @dataclass(frozen=True)

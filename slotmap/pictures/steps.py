@@ -112,10 +112,11 @@ def seeded_step(
         from conformance.scheduler.encoder import with_small_encoder
 
         config, workload = with_small_encoder(config, workload, random.Random(seed))
-    if mrope:  # a multimodal model: position tables on most requests (slotmap/pictures/mrope.py)
-        from slotmap.pictures.mrope import with_mrope
+    if mrope:  # a multimodal model: position tables on most requests (slotmap/pictures/mrope.py shows them)
+        from conformance.scheduler.mrope import with_position_tables
 
-        config, workload = with_mrope(config, workload, seed)
+        config = dataclasses.replace(config, uses_mrope=True)
+        workload = with_position_tables(workload, seed, share=0.8)
     if hybrid:  # a hybrid model: a mamba state group (slotmap/pictures/mamba.py)
         from slotmap.pictures.mamba import with_mamba
 
