@@ -42,15 +42,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from spec.errors import BlockIdError, BlockTableOverflowError, MissingBlockError, NullBlockError
 from spec.types import INDEX_DTYPE, NULL_BLOCK_ID, PAD_SLOT_ID, BatchInputs, KVCacheGroup, WorkerConfig
-
-if TYPE_CHECKING:
-    from spec.state import PoolState, StepPlan
 
 MAMBA = "mamba"
 NO_STATE = -1  # a state index of a row with no prior state, or of a column the row writes nothing to
@@ -73,12 +69,20 @@ class MambaRows:
         self.last_seq_lens = np.zeros(rows, np.int64)  # [R] seq_len of the row's last step
         self.last_num_drafts = np.zeros(rows, np.int64)  # [R] drafts of the row's last step
 
-    def commit(self, plan: StepPlan) -> None:
+    def commit(
+        self,
+        freed_rows: np.ndarray,  # [f] req_state_idx
+        new_rows: np.ndarray,  # [k] req_state_idx of the new requests
+        prompt_lens: np.ndarray,  # [k]
+        rows: np.ndarray,  # [n] scheduler order -> req_state_idx
+        seq_lens: np.ndarray,  # [n] scheduler order
+        num_drafts: np.ndarray | None,  # [n] scheduler order; None: nobody drafts
+    ) -> None:
         for array in (self.prompt_lens, self.last_seq_lens, self.last_num_drafts):
-            array[plan.freed_rows] = 0  # the next owner of a row starts from nothing (vLLM PR #37728)
-        self.prompt_lens[plan.new_rows] = plan.prompt_lens
-        self.last_seq_lens[plan.rows] = plan.num_computed + plan.num_scheduled
-        self.last_num_drafts[plan.rows] = 0 if plan.num_drafts is None else plan.num_drafts
+            array[freed_rows] = 0  # the next owner of a row starts from nothing (vLLM PR #37728)
+        self.prompt_lens[new_rows] = prompt_lens
+        self.last_seq_lens[rows] = seq_lens
+        self.last_num_drafts[rows] = 0 if num_drafts is None else num_drafts
 
 
 @dataclass(frozen=True)
@@ -235,22 +239,23 @@ def batch_steps(steps: MambaSteps, order: np.ndarray | None) -> MambaSteps:
 
 def with_state_indices(
     batch: BatchInputs,
-    state: PoolState,
-    plan: StepPlan,
+    config: WorkerConfig,
+    block_tables: list[np.ndarray],  # per group: [R, max_blocks_per_req(g)] the pool's tables
+    steps: MambaSteps | None,  # the plan's reads, scheduler order (StepPlan.mamba)
+    scheduled_req_ids: tuple[str, ...],  # [n] scheduler order
     num_drafts: np.ndarray,  # [num_reqs] batch order
 ) -> BatchInputs:
     """The batch with its mamba fields, and PAD_SLOT_ID for every token in the mamba groups' slot mappings."""
-    if plan.mamba is None:
+    if steps is None:
         return batch
-    at = {r: i for i, r in enumerate(plan.req_ids)}
+    at = {r: i for i, r in enumerate(scheduled_req_ids)}
     order = np.array([at[r] for r in batch.req_ids], np.int64)  # [num_reqs] batch_idx -> scheduler index
     index_mapping = np.asarray(batch.index_mapping)
     fields = state_indices(
-        state.config, state.block_tables, index_mapping, np.asarray(batch.seq_lens), num_drafts,
-        batch_steps(plan.mamba, order),
-    )  # fmt: skip
+        config, block_tables, index_mapping, np.asarray(batch.seq_lens), num_drafts, batch_steps(steps, order)
+    )
     slot_mappings = tuple(
         np.full_like(slots, PAD_SLOT_ID) if group.kind == MAMBA else slots
-        for slots, group in zip(batch.slot_mappings, state.config.kv_groups, strict=True)
+        for slots, group in zip(batch.slot_mappings, config.kv_groups, strict=True)
     )
     return dataclasses.replace(batch, slot_mappings=slot_mappings, **vars(fields))

@@ -115,7 +115,10 @@ class RequestStatePool:
         )
         if (cross := cross_group(self.config)) is not None:  # encoder-decoder: spec/cross_attention.py
             self._prepared = with_cross_inputs(self._prepared, self.state, cross)
-        self._prepared = with_state_indices(self._prepared, self.state, plan, num_drafts)  # spec/mamba.py
+        state = self.state  # hybrid models: the mamba groups' state indices (spec/mamba.py)
+        self._prepared = with_state_indices(
+            self._prepared, self.config, state.block_tables, plan.mamba, plan.req_ids, num_drafts
+        )
         if self.config.async_scheduling:
             state = self.state
             counts = (state.num_known_tokens[index_mapping], state.num_computed_tokens[index_mapping])

@@ -122,7 +122,8 @@ class PoolState:
             if writes.rows.size:
                 self.write_table(g, writes)
         self.num_computed_tokens[plan.rows] = plan.num_computed
-        self.mamba_rows.commit(plan)
+        seq_lens = plan.num_computed + plan.num_scheduled
+        self.mamba_rows.commit(freed, plan.new_rows, plan.prompt_lens, plan.rows, seq_lens, plan.num_drafts)
         if self.config.async_scheduling:
             self.num_unverified_drafts[:] = 0  # the step after this one is scheduled knowing the verdicts
 

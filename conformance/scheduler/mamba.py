@@ -60,3 +60,11 @@ def with_mamba_group(config: WorkerConfig, knobs: SchedulerKnobs, rng: random.Ra
     num_blocks = per_request * (config.max_num_reqs if roomy else 1) + 1 + rng.randint(0, 4)
     group = KVCacheGroup(block_size, num_blocks, kind=MAMBA, num_speculative_blocks=spec)
     return replace(config, kv_groups=(*config.kv_groups, group))
+
+
+def with_small_mamba_group(config: WorkerConfig, spec_tokens: int, block_size: int = 8) -> WorkerConfig:
+    """A mamba group last, in align mode, roomy for every row, a speculative block per draft (`slotmap explain`)."""
+    per_request = math.ceil(config.max_model_len / block_size) + spec_tokens
+    group = KVCacheGroup(block_size, config.max_num_reqs * per_request + 1, kind=MAMBA,
+                         num_speculative_blocks=spec_tokens)  # fmt: skip
+    return replace(config, kv_groups=(*config.kv_groups, group))

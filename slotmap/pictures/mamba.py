@@ -10,7 +10,6 @@ depends on the row's previous step, and only its entry is shown.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from rich.console import Console
@@ -19,17 +18,6 @@ from rich.text import Text
 
 from slotmap.pictures.steps import StepView
 from spec.mamba import MAMBA, NO_STATE
-from spec.types import KVCacheGroup, WorkerConfig
-
-MAMBA_BLOCK_SIZE = 8  # align mode: one state block per 8 tokens (the seeded model's first attention block size)
-
-
-def with_mamba(config: WorkerConfig, spec_tokens: int) -> WorkerConfig:
-    """The seeded step's model as a hybrid: a mamba group last, with a speculative block per draft token."""
-    per_request = -(-config.max_model_len // MAMBA_BLOCK_SIZE) + spec_tokens
-    group = KVCacheGroup(MAMBA_BLOCK_SIZE, config.max_num_reqs * per_request + 1, kind=MAMBA,
-                         num_speculative_blocks=spec_tokens)  # fmt: skip
-    return dataclasses.replace(config, kv_groups=(*config.kv_groups, group))
 
 
 @dataclass(frozen=True)

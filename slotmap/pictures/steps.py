@@ -118,9 +118,9 @@ def seeded_step(
         config = dataclasses.replace(config, uses_mrope=True)
         workload = with_position_tables(workload, seed, share=0.8)
     if hybrid:  # a hybrid model: a mamba state group (slotmap/pictures/mamba.py)
-        from slotmap.pictures.mamba import with_mamba
+        from conformance.scheduler.mamba import with_small_mamba_group
 
-        config = with_mamba(config, spec_tokens)
+        config = with_small_mamba_group(config, spec_tokens)
     knobs = SchedulerKnobs(max_chunk=12, pad_buckets=(8, 16, 24), spec_tokens=spec_tokens)
     sched = ReferenceScheduler(config, workload, knobs, seed=seed)
     pool = backend.make_pool(config)
