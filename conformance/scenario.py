@@ -74,13 +74,14 @@ def cache_elements(config: WorkerConfig, attention: AttentionSpec) -> int:
 
 
 def random_scenario(
-    seed: int, spec_decode: bool = False, encoder_decoder: bool = False, hybrid: bool = False
+    seed: int, spec_decode: bool = False, encoder_decoder: bool = False, hybrid: bool = False, multimodal: bool = False
 ) -> Scenario:
     """The scenario of `seed`; with `spec_decode` its scheduler also drafts (speculative decoding), in the
     same ranges as conformance.strategies. Without, a seed gives the scenario it gave before drafts existed,
     for code that speaks only plain decoding (the vLLM conversion, the shadow checker's engine). With
     `encoder_decoder`, some seeds' models are encoder-decoders (conformance/scheduler/encoder.py); with `hybrid`,
-    some seeds' models have a mamba group too (conformance/scheduler/mamba.py)."""
+    some seeds' models have a mamba group too (conformance/scheduler/mamba.py); with `multimodal`, some seeds'
+    models use M-RoPE and some requests carry position tables (conformance/scheduler/mrope.py)."""
     rng = random.Random(seed)
     max_model_len = rng.randint(2, MAX_MODEL_LEN)
     max_num_reqs = rng.randint(1, 8)
@@ -131,7 +132,10 @@ def random_scenario(
     knobs = replace(knobs, null_lookahead=rng.random() < 0.5)  # drawn last: earlier seeds' draws stay as they were
     if attention is not None:  # drawn after everything else, for the same reason
         attention = with_fp8_draw(attention, rng)
-    if rng.random() < MROPE_SHARE:  # a multimodal model (spec/mrope.py): position tables on some requests
+    # a multimodal model (spec/mrope.py), for callers that speak M-RoPE (vLLM's scheduler output carries no
+    # positions: the conversion and the shadow checker's engine cover text models); drawn either way, so a seed
+    # gives the same scenario with and without
+    if rng.random() < MROPE_SHARE and multimodal:
         config = replace(config, uses_mrope=True)
         workload = with_position_tables(workload, rng.randrange(2**32))
     if encoder_decoder:  # its own random source: the draws above are the seed's with or without it

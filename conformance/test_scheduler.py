@@ -75,7 +75,7 @@ def test_allocator_invariants_hold_and_nothing_leaks(scenario: Scenario) -> None
 def test_seeded_runs_exercise_every_feature() -> None:
     seen: collections.Counter[str] = collections.Counter()
     for seed in range(70):  # full prefix hits are rare: the first seeds with one are 65 and 69
-        scenario = random_scenario(seed, spec_decode=True, encoder_decoder=True)
+        scenario = random_scenario(seed, spec_decode=True, encoder_decoder=True, multimodal=True)
         sched, outs = _run(scenario, check_each_step=False)
         stats = sched.stats
         seen.update(
