@@ -123,6 +123,22 @@ def test_context_parallelism_does_not_shard_a_mamba_group() -> None:
     ContextParallel(2, 0, sharded_groups=(0,)).check_config(CONFIG)  # the attention group may be
 
 
+def test_attention_layouts_of_a_mamba_group_are_refused() -> None:
+    """vLLM's flash-attention metadata and SGLang's req_to_token describe KV per token: not a mamba group's."""
+    import fast.interop
+    import spec.interop
+
+    pool = spec.RequestStatePool(CONFIG)
+    out, _ = _worked_run()[0]
+    pool.apply(out)
+    batch = pool.prepare(out)
+    for interop in (spec.interop, fast.interop):
+        for layout in (interop.flash_attn_metadata, interop.sglang_layout):
+            with pytest.raises(ValueError, match="holds Mamba states"):
+                layout(batch, CONFIG, 1)
+    assert spec.interop.flash_attn_metadata(batch, CONFIG, 0).slot_mapping.tolist() == list(range(4, 14))
+
+
 def _after_two_steps(handle: BackendHandle) -> StatePool:
     pool = handle.make_pool(CONFIG)
     for out, sampled in _worked_run()[:2]:

@@ -12,6 +12,7 @@ import torch
 
 from spec.cross_attention import cross_group
 from spec.interop.sglang import SGLangLayout
+from spec.mamba import refuse_state_group
 from spec.types import NULL_BLOCK_ID, PAD_SLOT_ID, BatchInputs, WorkerConfig
 
 
@@ -19,6 +20,7 @@ def sglang_layout(batch: BatchInputs, config: WorkerConfig, group: int = 0) -> S
     cross = cross_group(config)
     if group == cross:
         raise ValueError(f"sglang_layout: group {group} is the cross group; its KV leads every decoder group's rows")
+    refuse_state_group(config, group, "sglang_layout")
     block_size = config.kv_groups[group].block_size
     rows: torch.Tensor = batch.index_mapping.long()  # [num_reqs]
     seq_lens: torch.Tensor = batch.seq_lens.long()  # [num_reqs]

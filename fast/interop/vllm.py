@@ -11,6 +11,7 @@ import torch
 
 from spec.interop.host import HostCounts
 from spec.interop.vllm import FlashAttnMetadata, V2RowPolicy, vllm_table_width
+from spec.mamba import refuse_state_group
 from spec.types import PAD_SLOT_ID, BatchInputs, WorkerConfig
 
 
@@ -23,6 +24,7 @@ def flash_attn_metadata(
     row_policy: V2RowPolicy | None = None,
     host: HostCounts | None = None,
 ) -> FlashAttnMetadata:
+    refuse_state_group(config, group, "flash_attn_metadata")
     num_scheduled: torch.Tensor = batch.num_scheduled_tokens  # [num_reqs]
     seq_lens: torch.Tensor = batch.seq_lens  # [num_reqs] int32
     table: torch.Tensor = batch.block_tables[group]  # [num_reqs, max_blocks]

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from spec.cross_attention import cross_group, encoder_slots
+from spec.mamba import refuse_state_group
 from spec.types import NULL_BLOCK_ID, PAD_SLOT_ID, SLOT_DTYPE, BatchInputs, WorkerConfig
 
 INDEX_DTYPE = "int64"  # SGLang's req_pool_indices and seq_lens are int64
@@ -55,6 +56,7 @@ def sglang_layout(batch: BatchInputs, config: WorkerConfig, group: int = 0) -> S
     cross = cross_group(config)
     if group == cross:
         raise ValueError(f"sglang_layout: group {group} is the cross group; its KV leads every decoder group's rows")
+    refuse_state_group(config, group, "sglang_layout")
     block_size = config.kv_groups[group].block_size
     rows = np.asarray(batch.index_mapping, np.int64)  # [num_reqs]
     seq_lens = np.asarray(batch.seq_lens, np.int64)  # [num_reqs]

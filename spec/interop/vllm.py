@@ -64,6 +64,7 @@ import numpy as np
 
 from spec.errors import ScheduleError
 from spec.interop.host import HostCounts, check_host_counts
+from spec.mamba import refuse_state_group
 from spec.types import (
     BLOCK_ID_DTYPE,
     INDEX_DTYPE,
@@ -493,6 +494,7 @@ def flash_attn_metadata(
     row_policy: V2RowPolicy | None = None,
     host: HostCounts | None = None,
 ) -> FlashAttnMetadata:
+    refuse_state_group(config, group, "flash_attn_metadata")
     num_scheduled = np.asarray(batch.num_scheduled_tokens, np.int64)  # [num_reqs]
     seq_lens = np.asarray(batch.seq_lens)  # [num_reqs]
     check_host_counts(host, num_scheduled, seq_lens.astype(np.int64))
