@@ -56,12 +56,6 @@ def has_mamba(config: WorkerConfig) -> bool:
     return any(g.kind == MAMBA for g in config.kv_groups)
 
 
-def refuse_state_group(config: WorkerConfig, group: int, where: str) -> None:
-    """An attention layout (vLLM's flash-attention metadata, SGLang's req_to_token) of a mamba group is a misuse."""
-    if config.kv_groups[group].kind == MAMBA:
-        raise ValueError(f"{where}: group {group} holds Mamba states (spec/mamba.py), not KV per token")
-
-
 def keeps_speculative_states(config: WorkerConfig) -> bool:
     """BatchInputs.num_accepted_tokens is given exactly when some mamba group keeps speculative blocks."""
     return any(g.kind == MAMBA and g.num_speculative_blocks > 0 for g in config.kv_groups)

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 
 from spec.cross_attention import cross_group
+from spec.interop.kinds import refuse_state_group
 from spec.interop.sglang import SGLangLayout
-from spec.mamba import refuse_state_group
 from spec.types import NULL_BLOCK_ID, PAD_SLOT_ID, BatchInputs, WorkerConfig
 
 

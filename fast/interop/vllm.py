@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from spec.interop.host import HostCounts
+from spec.interop.kinds import refuse_state_group
 from spec.interop.vllm import FlashAttnMetadata, V2RowPolicy, vllm_table_width
-from spec.mamba import refuse_state_group
 from spec.types import PAD_SLOT_ID, BatchInputs, WorkerConfig
 
 

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from spec.cross_attention import cross_group, encoder_slots
-from spec.mamba import refuse_state_group
+from spec.interop.kinds import refuse_state_group
 from spec.types import NULL_BLOCK_ID, PAD_SLOT_ID, SLOT_DTYPE, BatchInputs, WorkerConfig
 
 INDEX_DTYPE = "int64"  # SGLang's req_pool_indices and seq_lens are int64

@@ -64,7 +64,7 @@ import numpy as np
 
 from spec.errors import ScheduleError
 from spec.interop.host import HostCounts, check_host_counts
-from spec.mamba import refuse_state_group
+from spec.interop.kinds import refuse_state_group
 from spec.types import (
     BLOCK_ID_DTYPE,
     INDEX_DTYPE,
