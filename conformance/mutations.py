@@ -101,7 +101,10 @@ class _Ctx:
             row, n = self.rows[cached.req_id], out.num_scheduled_tokens[cached.req_id]
             added = cached.new_block_ids or tuple(() for _ in range(self.num_groups))
             tables = [[*([] if cached.resumed else row.block_ids[g]), *added[g]] for g in range(self.num_groups)]
-            self.reqs.append(_Req(cached.req_id, cached.num_computed_tokens, n, len(row.token_ids), tables, False))
+            # known as validation counts it: under async scheduling a step sent one ahead counts its previous
+            # step's drafts as tokens (spec/async_steps.py), so it may start past the snapshot's last token
+            known = max(len(row.token_ids), cached.num_computed_tokens + 1)
+            self.reqs.append(_Req(cached.req_id, cached.num_computed_tokens, n, known, tables, False))
 
     def free_rows_after(self) -> int:
         held = len(self.rows) - len(self.out.finished_req_ids) + len(self.out.new_requests)

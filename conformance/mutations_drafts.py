@@ -45,6 +45,7 @@ class _Req:
     known: int  # tokens known before the step
     drafts: tuple[int, ...]
     tables: list[list[int]]  # per group: the whole table after the step
+    may_draft: bool = True  # drafts added to it meet no other rule first (see _Ctx)
 
     @property
     def end(self) -> int:
@@ -69,10 +70,14 @@ class _Ctx:
         for c in out.cached_requests:
             added = c.new_block_ids or tuple(() for _ in groups)
             kept = [[] if c.resumed else list(rows[c.req_id].block_ids[g]) for g in groups]
+            # Under async scheduling (spec/async_steps.py) validation counts a step sent one ahead from the
+            # previous step's drafts as if all were kept, and refuses drafts right after drafts: a request that
+            # drafts in this output surely did not in the last, one that does not may have.
+            known = max(len(rows[c.req_id].token_ids), c.num_computed_tokens + 1)
+            may_draft = not config.async_scheduling or c.req_id in drafts
             self.reqs.append(
-                _Req(c.req_id, c.num_computed_tokens, out.num_scheduled_tokens[c.req_id],
-                     len(rows[c.req_id].token_ids), tuple(drafts.get(c.req_id, ())),
-                     [kept[g] + list(added[g]) for g in groups])
+                _Req(c.req_id, c.num_computed_tokens, out.num_scheduled_tokens[c.req_id], known,
+                     tuple(drafts.get(c.req_id, ())), [kept[g] + list(added[g]) for g in groups], may_draft)
             )  # fmt: skip
         self.spare_budget = config.max_num_batched_tokens - out.total_num_scheduled_tokens
 
@@ -117,7 +122,7 @@ def _unscheduled_id(ctx: _Ctx) -> str:
 
 def _token_id(ctx: _Ctx) -> SchedulerOutput | None:
     """A draft outside the vocabulary, or drafts that are not integer ids (k <= num_scheduled - 1: check 1 passes)."""
-    r = ctx.pick(lambda r: r.num_scheduled > 1 or bool(r.drafts))
+    r = ctx.pick(lambda r: bool(r.drafts) or (r.num_scheduled > 1 and r.may_draft))
     if r is None:
         return None
     drafts: list[Any] = list(r.drafts) or [ctx.token() for _ in range(ctx.rng.randint(1, r.num_scheduled - 1))]
@@ -130,7 +135,7 @@ def _token_id(ctx: _Ctx) -> SchedulerOutput | None:
 def _model_length(ctx: _Ctx) -> SchedulerOutput | None:
     """Drafts (and the tokens to run them) past max_model_len on a request whose step reaches its end."""
     limit = ctx.config.max_model_len
-    r = ctx.pick(lambda r: r.reaches_end and limit + 1 - r.end <= ctx.spare_budget)
+    r = ctx.pick(lambda r: r.reaches_end and r.may_draft and limit + 1 - r.end <= ctx.spare_budget)
     if r is None:
         return None
     k = limit + 1 - r.known  # the last draft at position max_model_len
@@ -145,7 +150,7 @@ def _unknown_token(ctx: _Ctx) -> SchedulerOutput | None:
         options.append(lambda: _with_drafts(out, drafting.req_id, drafting.drafts[:-1]))
         if drafting.end < limit and ctx.spare_budget > 0:  # one token past the drafts
             options.append(lambda: _with_drafts(out, drafting.req_id, drafting.drafts, drafting.num_scheduled + 1))
-    short = ctx.pick(lambda r: not r.drafts and r.num_scheduled > 1 and r.end <= r.known)
+    short = ctx.pick(lambda r: not r.drafts and r.may_draft and r.num_scheduled > 1 and r.end <= r.known)
     if short is not None:  # drafts on a chunk that ends before them: mid-prefill, or ending at the last known token
         k = ctx.rng.randint(1, short.num_scheduled - 1)
         options.append(lambda: _with_drafts(out, short.req_id, tuple(ctx.token() for _ in range(k))))
@@ -158,7 +163,7 @@ def _missing_block(ctx: _Ctx) -> SchedulerOutput | None:
     if any(g.kind == "mamba" for g in ctx.config.kv_groups):  # more drafts than speculative blocks: check 10 first
         return None
     for r in ctx.rng.sample(ctx.reqs, len(ctx.reqs)):
-        if not r.reaches_end:
+        if not r.reaches_end or not r.may_draft:
             continue
         groups = zip(r.tables, ctx.config.kv_groups, strict=True)  # the decoder's: drafts write no cross block
         covered = min(len(t) * g.block_size for t, g in groups if g.kind != "cross_attention")

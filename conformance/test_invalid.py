@@ -62,7 +62,8 @@ def test_invalid_outputs_are_rejected_identically(backend: BackendHandle, confor
 def test_every_error_class_is_provoked_and_survived(backend: BackendHandle, cls: type[ScheduleError]) -> None:
     """Some early step of some seeded scenario can be broken into `cls`; both backends raise exactly it."""
     for seed in range(50):
-        scenario = replace(random_scenario(seed), attention=None)  # pool and batch only: cheap on any backend
+        # pool and batch only: cheap on any backend; every model family, so each family's refusals are provoked
+        scenario = replace(random_scenario(seed, encoder_decoder=True, hybrid=True, multimodal=True), attention=None)
         run = DifferentialRun(scenario, backend)
         rng = random.Random(seed)
         for _ in range(6):
@@ -80,7 +81,8 @@ def test_every_malformation_is_provoked_and_survived(backend: BackendHandle, nam
     """Each type-, container- or repeated-id fault, on some early step: both raise its class, then go on."""
     cls = MALFORMATIONS[name][0]
     for seed in range(50):
-        run = DifferentialRun(replace(random_scenario(seed), attention=None), backend)
+        scenario = random_scenario(seed, encoder_decoder=True, hybrid=True, multimodal=True)  # every family's faults
+        run = DifferentialRun(replace(scenario, attention=None), backend)
         rng = random.Random(seed)
         for _ in range(6):
             if run.done():
