@@ -26,6 +26,7 @@ from spec import (
     UnknownTokenError,
     WorkerConfig,
 )
+from spec.protocol import StatePool
 
 CONFIG = WorkerConfig(4, 64, 32, 100, (KVCacheGroup(16, 64),), async_scheduling=True)
 PROMPT = (10, 11, 12, 13, 14)
@@ -41,7 +42,7 @@ def _ids(backend: BackendHandle, ids: list[int] | list[list[int]]) -> object:
     return backend.asarray(np.array(ids, np.int64))
 
 
-def _prefill(backend: BackendHandle, config: WorkerConfig = CONFIG) -> object:
+def _prefill(backend: BackendHandle, config: WorkerConfig = CONFIG) -> StatePool:
     pool = backend.make_pool(config)
     out = SchedulerOutput(new_requests=(NewRequest("a", PROMPT, ((3,),)),), num_scheduled_tokens={"a": 5})
     pool.apply(out)
@@ -51,16 +52,16 @@ def _prefill(backend: BackendHandle, config: WorkerConfig = CONFIG) -> object:
     return pool
 
 
-def _drafting_step(backend: BackendHandle, pool: object, accepted: list[int]) -> None:
+def _drafting_step(backend: BackendHandle, pool: StatePool, accepted: list[int]) -> None:
     """Position 5 (the sample 42) and drafts 7, 8; the sampler keeps `accepted`."""
     out = SchedulerOutput(cached_requests=(CachedRequest("a", 5),), num_scheduled_tokens={"a": 3},
                           scheduled_spec_decode_tokens={"a": (7, 8)})  # fmt: skip
-    pool.apply(out)  # type: ignore[attr-defined]
-    batch = pool.prepare(out)  # type: ignore[attr-defined]
+    pool.apply(out)
+    batch = pool.prepare(out)
     got = backend.batch_to_numpy(batch)
     assert got["pending_token_indices"].tolist() == [0] and got["pending_prev_batch_idx"].tolist() == [0]
     assert got["input_ids"].tolist() == [42, 7, 8]
-    pool.record_sampled(batch, _ids(backend, [[*accepted, -1, -1][:3]]))  # type: ignore[attr-defined]
+    pool.record_sampled(batch, _ids(backend, [[*accepted, -1, -1][:3]]))
 
 
 def test_an_optimistic_count_is_corrected_by_the_rejected_drafts(backend: BackendHandle) -> None:

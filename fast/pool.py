@@ -48,7 +48,7 @@ from fast.sampled import record_accepted, record_one_per_row
 from fast.state import DeviceState, HostMirror, write_prompts
 from fast.validate import plan_bulk_step
 from fast.writes import apply_writes, step_writes
-from spec.async_steps import PENDING_FIELDS, pending_tokens
+from spec.async_steps import pending_tokens
 from spec.cross_attention import cross_group
 from spec.drafts import accepted_rows, draft_logits
 from spec.errors import InconsistentSchedulerOutputError, UnknownRequestError
@@ -162,9 +162,8 @@ class RequestStatePool:
             state, at = self.state, np.concatenate([[0], cu_num_tokens])
             pending = pending_tokens(state.sampled_in[index_mapping], state.num_known_tokens[index_mapping],
                                      computed, at, num_scheduled)  # fmt: skip
-            batch = dataclasses.replace(
-                batch, **dict(zip(PENDING_FIELDS, (upload(a, self.device) for a in pending), strict=True))
-            )
+            indices, sources = (upload(a, self.device) for a in pending)
+            batch = dataclasses.replace(batch, pending_token_indices=indices, pending_prev_batch_idx=sources)
         self._prepared_drafts = drafts
         self._prepared = batch
         self._prepared_rows_np = index_mapping
