@@ -18,11 +18,12 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
+from conformance.after_step import ScheduledRequest, scheduled_requests
 from conformance.malformed import CHECK_ONE, edit
 from conformance.malformed_mrope import MROPE_MALFORMATIONS
 from conformance.mutations_drafts import draft_fault_or
@@ -49,7 +50,6 @@ from spec.errors import (
 from spec.types import (
     NULL_BLOCK_ID,
     CachedRequest,
-    KVCacheGroup,
     NewRequest,
     PoolSnapshot,
     SchedulerOutput,
@@ -59,52 +59,12 @@ from spec.types import (
 Tables = list[list[int]]
 
 
-@dataclass
-class _Req:
-    """A scheduled request of `out` as it will stand after the step."""
-
-    req_id: str
-    num_computed: int
-    num_scheduled: int
-    known: int  # tokens known when the step runs
-    tables: Tables  # per group: the whole table after the step
-    is_new: bool
-
-    @property
-    def last(self) -> int:
-        return self.num_computed + self.num_scheduled - 1  # last position written
-
-    def live_from(self, group: KVCacheGroup) -> int:
-        """The first table entry the step reads: entries before it a window released (they may repeat ids)."""
-        return group.first_live_entry(self.num_computed)
-
-
 class _Ctx:
     def __init__(self, out: SchedulerOutput, config: WorkerConfig, snapshot: PoolSnapshot, rng: random.Random):
         self.out, self.config, self.rng = out, config, rng
         self.rows = {row.req_id: row for row in snapshot}
         self.num_groups = len(config.kv_groups)
-        self.reqs: list[_Req] = []
-        for new in out.new_requests:
-            n = out.num_scheduled_tokens[new.req_id]
-            self.reqs.append(
-                _Req(
-                    new.req_id,
-                    new.num_computed_tokens,
-                    n,
-                    len(new.prompt_token_ids),
-                    [list(t) for t in new.block_ids],
-                    True,
-                )
-            )
-        for cached in out.cached_requests:
-            row, n = self.rows[cached.req_id], out.num_scheduled_tokens[cached.req_id]
-            added = cached.new_block_ids or tuple(() for _ in range(self.num_groups))
-            tables = [[*([] if cached.resumed else row.block_ids[g]), *added[g]] for g in range(self.num_groups)]
-            # known as validation counts it: under async scheduling a step sent one ahead counts its previous
-            # step's drafts as tokens (spec/async_steps.py), so it may start past the snapshot's last token
-            known = max(len(row.token_ids), cached.num_computed_tokens + 1)
-            self.reqs.append(_Req(cached.req_id, cached.num_computed_tokens, n, known, tables, False))
+        self.reqs = scheduled_requests(out, config, snapshot)
 
     def free_rows_after(self) -> int:
         held = len(self.rows) - len(self.out.finished_req_ids) + len(self.out.new_requests)
@@ -117,7 +77,7 @@ class _Ctx:
             i += 1
         return f"{prefix}-{i}"
 
-    def pick(self, reqs: list[_Req]) -> _Req | None:
+    def pick(self, reqs: list[ScheduledRequest]) -> ScheduledRequest | None:
         return self.rng.choice(reqs) if reqs else None
 
     def unused_blocks(self, g: int, count: int, avoid: set[int]) -> list[int] | None:

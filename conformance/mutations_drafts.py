@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
+from conformance.after_step import ScheduledRequest, scheduled_requests
 from conformance.malformed import edit
 from spec.errors import (
     InconsistentSchedulerOutputError,
@@ -35,53 +36,13 @@ BreakOutput = Callable[
 ]
 
 
-@dataclass
-class _Req:
-    """A scheduled request of the output, as the step would run it."""
-
-    req_id: str
-    num_computed: int
-    num_scheduled: int
-    known: int  # tokens known before the step
-    drafts: tuple[int, ...]
-    tables: list[list[int]]  # per group: the whole table after the step
-    may_draft: bool = True  # drafts added to it meet no other rule first (see _Ctx)
-
-    @property
-    def end(self) -> int:
-        return self.num_computed + self.num_scheduled
-
-    @property
-    def reaches_end(self) -> bool:
-        return self.end == self.known + len(self.drafts)
-
-
 class _Ctx:
     def __init__(self, out: SchedulerOutput, config: WorkerConfig, snapshot: PoolSnapshot, rng: random.Random):
         self.out, self.config, self.rng = out, config, rng
-        rows = {row.req_id: row for row in snapshot}
-        groups = range(len(config.kv_groups))
-        drafts = out.scheduled_spec_decode_tokens
-        self.reqs = [
-            _Req(r.req_id, r.num_computed_tokens, out.num_scheduled_tokens[r.req_id], len(r.prompt_token_ids),
-                 tuple(drafts.get(r.req_id, ())), [list(t) for t in r.block_ids])
-            for r in out.new_requests
-        ]  # fmt: skip
-        for c in out.cached_requests:
-            added = c.new_block_ids or tuple(() for _ in groups)
-            kept = [[] if c.resumed else list(rows[c.req_id].block_ids[g]) for g in groups]
-            # Under async scheduling (spec/async_steps.py) validation counts a step sent one ahead from the
-            # previous step's drafts as if all were kept, and refuses drafts right after drafts: a request that
-            # drafts in this output surely did not in the last, one that does not may have.
-            known = max(len(rows[c.req_id].token_ids), c.num_computed_tokens + 1)
-            may_draft = not config.async_scheduling or c.req_id in drafts
-            self.reqs.append(
-                _Req(c.req_id, c.num_computed_tokens, out.num_scheduled_tokens[c.req_id], known,
-                     tuple(drafts.get(c.req_id, ())), [kept[g] + list(added[g]) for g in groups], may_draft)
-            )  # fmt: skip
+        self.reqs = scheduled_requests(out, config, snapshot)
         self.spare_budget = config.max_num_batched_tokens - out.total_num_scheduled_tokens
 
-    def pick(self, condition: Callable[[_Req], bool]) -> _Req | None:
+    def pick(self, condition: Callable[[ScheduledRequest], bool]) -> ScheduledRequest | None:
         fitting = [r for r in self.reqs if condition(r)]
         return self.rng.choice(fitting) if fitting else None
 

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
+from conformance.after_step import ScheduledRequest, scheduled_requests
 from spec.errors import BlockTableOverflowError, DuplicateSlotError, MissingBlockError, NullBlockError, ScheduleError
-from spec.mamba import MAMBA, write_column
+from spec.mamba import MAMBA
 from spec.types import NULL_BLOCK_ID, PoolSnapshot, SchedulerOutput, WorkerConfig
 
 BreakOutput = Callable[
@@ -39,48 +40,18 @@ def resumable(config: WorkerConfig, num_computed: int, is_new: bool) -> bool:
     return is_new or all(num_computed % config.kv_groups[g].block_size == 0 for g in mamba_groups(config))
 
 
-@dataclass
-class _Req:
-    req_id: str
-    num_computed: int
-    num_scheduled: int
-    known: int
-    drafts: tuple[int, ...]
-    tables: list[list[int]]  # per group: the whole table after the step
-    is_new: bool
-    resumed: bool
-
-    def write(self, block_size: int) -> int:
-        return write_column(self.num_computed, self.num_scheduled, block_size)
-
-
 class _Ctx:
     def __init__(self, out: SchedulerOutput, config: WorkerConfig, snapshot: PoolSnapshot, rng: random.Random):
         self.out, self.config, self.rng = out, config, rng
-        rows = {row.req_id: row for row in snapshot}
-        groups = range(len(config.kv_groups))
-        drafts = out.scheduled_spec_decode_tokens
-        self.reqs = [
-            _Req(r.req_id, r.num_computed_tokens, out.num_scheduled_tokens[r.req_id], len(r.prompt_token_ids),
-                 tuple(drafts.get(r.req_id, ())), [list(t) for t in r.block_ids], True, False)
-            for r in out.new_requests
-        ]  # fmt: skip
-        for c in out.cached_requests:
-            added = c.new_block_ids or tuple(() for _ in groups)
-            kept = [[] if c.resumed else list(rows[c.req_id].block_ids[g]) for g in groups]
-            self.reqs.append(
-                _Req(c.req_id, c.num_computed_tokens, out.num_scheduled_tokens[c.req_id],
-                     len(rows[c.req_id].token_ids), tuple(drafts.get(c.req_id, ())),
-                     [kept[g] + list(added[g]) for g in groups], False, c.resumed)
-            )  # fmt: skip
+        self.reqs = scheduled_requests(out, config, snapshot)
         self.mamba = mamba_groups(config)
         self.spare_budget = config.max_num_batched_tokens - out.total_num_scheduled_tokens
 
-    def editable(self) -> list[_Req]:
+    def editable(self) -> list[ScheduledRequest]:
         return [r for r in self.reqs if resumable(self.config, r.num_computed, r.is_new or r.resumed)]
 
 
-def _with_table(ctx: _Ctx, r: _Req, g: int, table: list[int]) -> SchedulerOutput:
+def _with_table(ctx: _Ctx, r: ScheduledRequest, g: int, table: list[int]) -> SchedulerOutput:
     """`r`'s tables with group g's replaced: block_ids of a new request, a resumed table for a cached one."""
     blocks = tuple(tuple(table) if h == g else tuple(t) for h, t in enumerate(r.tables))
     out = ctx.out

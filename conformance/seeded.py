@@ -75,7 +75,8 @@ def run_seeded(
     before_record: Callable[[Sampled, WorkerConfig, Sequence[BatchInputs], random.Random], None] | None = None,
 ) -> ReferenceScheduler:
     """Seed `seed`'s scenario (with drafts) through `handles[0]` (spec) and the others; returns its scheduler."""
-    scenario = replace(random_scenario(seed, spec_decode=True, encoder_decoder=True, hybrid=True, multimodal=True), attention=None)
+    every_family = {"encoder_decoder": True, "hybrid": True, "multimodal": True}
+    scenario = replace(random_scenario(seed, spec_decode=True, **every_family), attention=None)
     config = scenario.config
     sched = ReferenceScheduler(config, scenario.workload, scenario.knobs, seed=scenario.seed)
     pools = [h.make_pool(config) for h in handles]
