@@ -25,6 +25,7 @@ class ScheduledRequest:
     is_new: bool
     resumed: bool
     may_draft: bool  # drafts added to it meet no other rule first
+    counted_ahead: bool = False  # async: its step counts drafts the previous step rejected (so they were unverified)
 
     @property
     def end(self) -> int:
@@ -68,6 +69,6 @@ def scheduled_requests(out: SchedulerOutput, config: WorkerConfig, snapshot: Poo
         reqs.append(
             ScheduledRequest(c.req_id, c.num_computed_tokens, out.num_scheduled_tokens[c.req_id], known,
                              tuple(drafts.get(c.req_id, ())), [kept[g] + list(added[g]) for g in groups], False,
-                             c.resumed, may_draft)
+                             c.resumed, may_draft, known > len(rows[c.req_id].token_ids))
         )  # fmt: skip
     return reqs

@@ -115,6 +115,9 @@ def _unknown_token(ctx: _Ctx) -> SchedulerOutput | None:
     if short is not None:  # drafts on a chunk that ends before them: mid-prefill, or ending at the last known token
         k = ctx.rng.randint(1, short.num_scheduled - 1)
         options.append(lambda: _with_drafts(out, short.req_id, tuple(ctx.token() for _ in range(k))))
+    ahead = ctx.pick(lambda r: r.counted_ahead and not r.resumed and r.end < limit and ctx.spare_budget > 0)
+    if ahead is not None:  # async (spec/async_steps.py): a draft right after drafts whose verdict is unread
+        options.append(lambda: _with_drafts(out, ahead.req_id, (ctx.token(),), ahead.num_scheduled + 1))
     return ctx.rng.choice(options)() if options else None
 
 

@@ -27,6 +27,7 @@ KV_SCALES = (0.004, 0.37, 1.0, 2.5)  # 0.004 saturates e4m3 (448 * 0.004 = 1.8 <
 SPEC_TOKENS = (0, 0, 1, 2, 3, 5)  # most drafts per request per step; 0 (no speculative decoding) a third of the time
 ACCEPTANCE_RATES = (0.0, 0.5, 0.8, 1.0)
 MROPE_SHARE = 0.3  # of the scenarios, the share whose model uses M-RoPE (and whose requests carry tables)
+ASYNC_SHARE = 0.3  # of the scenarios with async_scheduling on offer, the share that schedule one step ahead
 
 
 @dataclass(frozen=True)
@@ -74,14 +75,20 @@ def cache_elements(config: WorkerConfig, attention: AttentionSpec) -> int:
 
 
 def random_scenario(
-    seed: int, spec_decode: bool = False, encoder_decoder: bool = False, hybrid: bool = False, multimodal: bool = False
+    seed: int,
+    spec_decode: bool = False,
+    encoder_decoder: bool = False,
+    hybrid: bool = False,
+    multimodal: bool = False,
+    async_scheduling: bool = False,
 ) -> Scenario:
     """The scenario of `seed`; with `spec_decode` its scheduler also drafts (speculative decoding), in the
     same ranges as conformance.strategies. Without, a seed gives the scenario it gave before drafts existed,
     for code that speaks only plain decoding (the vLLM conversion, the shadow checker's engine). With
     `encoder_decoder`, some seeds' models are encoder-decoders (conformance/scheduler/encoder.py); with `hybrid`,
     some seeds' models have a mamba group too (conformance/scheduler/mamba.py); with `multimodal`, some seeds'
-    models use M-RoPE and some requests carry position tables (conformance/scheduler/mrope.py)."""
+    models use M-RoPE and some requests carry position tables (conformance/scheduler/mrope.py); with
+    `async_scheduling`, some seeds' steps are scheduled one ahead of their samples (spec/async_steps.py)."""
     rng = random.Random(seed)
     max_model_len = rng.randint(2, MAX_MODEL_LEN)
     max_num_reqs = rng.randint(1, 8)
@@ -148,6 +155,9 @@ def random_scenario(
         hybrid_rng = random.Random(f"hybrid {seed}")
         if hybrid_rng.random() < MAMBA_SHARE:  # spec/mamba.py
             config = with_mamba_group(config, knobs, hybrid_rng)
+    no_mamba = not any(g.kind == "mamba" for g in config.kv_groups)  # async with a mamba group is not modelled
+    if async_scheduling and no_mamba and random.Random(f"async {seed}").random() < ASYNC_SHARE:  # own source too
+        config = replace(config, async_scheduling=True)
     return Scenario(config, workload, knobs, attention, scenario_seed)
 
 

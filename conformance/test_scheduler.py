@@ -75,7 +75,7 @@ def test_allocator_invariants_hold_and_nothing_leaks(scenario: Scenario) -> None
 def test_seeded_runs_exercise_every_feature() -> None:
     seen: collections.Counter[str] = collections.Counter()
     for seed in range(70):  # full prefix hits are rare: the first seeds with one are 65 and 69
-        scenario = random_scenario(seed, spec_decode=True, encoder_decoder=True, multimodal=True)
+        scenario = random_scenario(seed, spec_decode=True, encoder_decoder=True, multimodal=True, async_scheduling=True)
         sched, outs = _run(scenario, check_each_step=False)
         stats = sched.stats
         seen.update(
@@ -96,6 +96,7 @@ def test_seeded_runs_exercise_every_feature() -> None:
             drafts_crossing_blocks=stats.drafts_crossing_blocks,
             drafts_on_admission=stats.drafts_on_admission,
             drafts_on_retaken_row=stats.drafts_on_retaken_row,
+            optimistic_count=stats.optimistic_counts,  # async scheduling: a step sent counting rejected drafts
             encoder_write=stats.encoder_writes,
             encoder_rewrite=stats.encoder_rewrites,
         )
