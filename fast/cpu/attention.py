@@ -9,9 +9,10 @@ the logits (q.k times scale, soft-capped), a running max, the rescaled sum and t
 Keys a row may not see inside the walked range (causal within the tile, the window of later queries) get
 -inf before the softmax; keys outside the range are never read, so unwritten slots may hold anything.
 
-Decode, prefill and mixed batches take the same loop (a decode item is a tile of one query), except rows of
-many queries without soft-cap, which fast.cpu.prefill hands to torch's SDPA after one gather (there the
-matrix products, not the reads, are the cost, and SDPA's are several times faster). Cache
+Rows of several queries take this loop (soft-capped or non-finite ones; the others fast.cpu.prefill hands
+to torch's SDPA after one gather: there the matrix products, not the reads, are the cost, and SDPA's are
+several times faster). Decode rows (one query) take fast.cpu.decode's kernel, register-blocked over four
+keys and four query heads at a time, in the same call (both after plan_items' checks). Cache
 elements are widened to float32 as they are loaded (fast.cpu.lanes), so a float16 or bfloat16 cache is
 never converted in memory. Non-finite inputs follow IEEE arithmetic as spec does: a NaN in a row's
 visible logits makes the row NaN.
@@ -28,6 +29,7 @@ import numpy as np
 import torch
 from numba import njit, prange
 
+from fast.cpu.decode import decode_kernel
 from fast.cpu.lanes import exp, tanh, widen
 from fast.cpu.prefill import prefill_sdpa, sdpa_rows
 from spec.fp8 import Fp8Format
@@ -72,16 +74,22 @@ def paged_attention_cpu(
         prefill_sdpa(out, query, key_cache, value_cache, table, lens, starts, prefill, scale=scale,
                      sliding_window=sliding_window, fmt=fmt, k_scale=k_scales, v_scale=v_scales)  # fmt: skip
         items = items[~np.isin(items[:, 0], prefill)]
-    if items.shape[0] == 0:
+    decode_rows = np.flatnonzero(np.diff(starts.astype(np.int64)) == 1)  # [n] batch_idx: fast.cpu.decode's rows
+    if items.shape[0] == 0 and decode_rows.size == 0:
         return
+    key, value = _elements(key_cache, fmt), _elements(value_cache, fmt)
     torch_threads = torch.get_num_threads()
     numba.set_num_threads(max(1, min(torch_threads, numba.config.NUMBA_NUM_THREADS)))  # type: ignore[attr-defined]
     with numba.parallel_chunksize(1):  # items differ in cost (causal tiles, context lengths): hand them out one by one
-        _attention_kernel(
-            out.numpy(), query.numpy(), _elements(key_cache, fmt), _elements(value_cache, fmt), strides, table, items,
-            group, head_dim, block_size, np.float32(scale), sliding_window or 0,
-            np.float32(softcap or 0.0), k_scales, v_scales,
-        )  # fmt: skip
+        if decode_rows.size:
+            decode_kernel(out.numpy(), query.numpy(), key, value, strides, table, lens, starts, decode_rows, group,
+                          head_dim, block_size, np.float32(scale), sliding_window or 0, np.float32(softcap or 0.0),
+                          k_scales, v_scales)  # fmt: skip
+        if items.shape[0]:
+            _attention_kernel(
+                out.numpy(), query.numpy(), key, value, strides, table, items, group, head_dim, block_size,
+                np.float32(scale), sliding_window or 0, np.float32(softcap or 0.0), k_scales, v_scales,
+            )  # fmt: skip
     # Numba's OpenMP threading layer (where it is the one in use) leaves its own thread count in the OpenMP
     # runtime it shares with torch (and any extension on it): torch's count is restored
     torch.set_num_threads(torch_threads)
@@ -120,11 +128,9 @@ def plan_items(  # pragma: no cover - compiled; tested through its results
 ) -> np.ndarray:  # [num_items, ITEM_FIELDS] int64, the fields below
     """The work items of one call, after the checks that keep every read inside the tensors.
 
-    A decode row is one item over all KV heads: a slot's keys for every head are one contiguous run of
-    memory, so the item streams each block front to back (per head, a block's keys are 4 KiB apart in
-    fast's layout, which defeats the prefetcher). A row with several queries is one item per tile of
-    `tile` queries and KV head: there the keys are reused by every query of the tile and stay in cache.
-    Every block id an item will read is checked here, so the kernel itself needs no bounds checks.
+    Every row is checked, decode rows too (fast.cpu.decode reads them, without items): every block id a
+    row will read, so neither kernel needs bounds checks. A row with several queries is one item per tile
+    of `tile` queries and KV head: the keys are reused by every query of the tile and stay in cache.
     """
     num_reqs = seq_lens.shape[0]
     count = 0
@@ -143,23 +149,24 @@ def plan_items(  # pragma: no cover - compiled; tested through its results
                 if block_table[b, blk] < 0 or block_table[b, blk] >= num_blocks:
                     raise ValueError("paged_attention: block_table holds a block id outside the cache")
         num_q = q_end - q_start
-        count += 1 if num_q == 1 else num_kv_heads * ((num_q + tile - 1) // tile)
+        count += 0 if num_q == 1 else num_kv_heads * ((num_q + tile - 1) // tile)
     items = np.empty((count, 7), np.int64)
     i = 0
     for b in range(num_reqs):
         q_start, q_end, seq_len = query_start_loc[b], query_start_loc[b + 1], seq_lens[b]
+        if q_end - q_start == 1:
+            continue
         first_pos = seq_len - (q_end - q_start)  # position of the row's first query
-        step = 1 if q_end - q_start == 1 else tile
-        for t0 in range(q_start, q_end, step):
+        for t0 in range(q_start, q_end, tile):
             pos = first_pos + (t0 - q_start)
-            for h in range(1 if step == 1 else num_kv_heads):
+            for h in range(num_kv_heads):
                 items[i, 0] = b
                 items[i, 1] = t0
-                items[i, 2] = min(t0 + step, q_end)
+                items[i, 2] = min(t0 + tile, q_end)
                 items[i, 3] = 0 if window == 0 else max(0, pos - window + 1)
                 items[i, 4] = pos
-                items[i, 5] = 0 if step == 1 else h
-                items[i, 6] = num_kv_heads if step == 1 else h + 1
+                items[i, 5] = h
+                items[i, 6] = h + 1
                 i += 1
     return items
 

@@ -100,6 +100,44 @@ def _fma_typer(typingctx: Any, a: Any, b: Any, c: Any) -> Any:  # pragma: no cov
 _fma = cast(Callable[[Any, Any, Any], Any], intrinsic(_fma_typer))
 
 
+def _maximum_typer(typingctx: Any, a: Any, b: Any) -> Any:  # pragma: no cover - compiled
+    """The larger of two float32, NaN if either is (llvm.maximum): a max reduction LLVM vectorises without
+    the nnan flag, where `x if x > m else m` stays scalar."""
+    if not (a == types.float32 and b == types.float32):
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        f32 = ir.FloatType()
+        fn = builder.module.declare_intrinsic("llvm.maximum", [f32], ir.FunctionType(f32, [f32, f32]))
+        return builder.call(fn, args)
+
+    return types.float32(a, b), codegen
+
+
+maximum = cast(Callable[[Any, Any], Any], intrinsic(_maximum_typer))
+
+
+def _prefetch_typer(typingctx: Any, array: Any, index: Any) -> Any:  # pragma: no cover - compiled
+    """Ask for the cache line of array[index] in L2 (llvm.prefetch, read, locality 2): a hint, never a fault,
+    so an index past the array is harmless."""
+    if not (isinstance(array, types.Array) and isinstance(index, types.Integer)):
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        at = builder.gep(data, [args[1]])
+        ptr, i32 = ir.PointerType(), ir.IntType(32)
+        signature = ir.FunctionType(ir.VoidType(), [ptr, i32, i32, i32])
+        fn = builder.module.declare_intrinsic("llvm.prefetch", [ptr], signature)
+        builder.call(fn, [at, ir.Constant(i32, 0), ir.Constant(i32, 2), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+
+    return types.none(array, index), codegen
+
+
+prefetch = cast(Callable[[Any, Any], Any], intrinsic(_prefetch_typer))
+
+
 @njit(cache=True, inline="always")
 def exp(x: np.float32) -> np.float32:  # pragma: no cover - compiled
     """e**x in float32: x = n ln2 + r, |r| <= ln2 / 2 (Cody-Waite), e**r by its degree-7 Taylor polynomial."""
