@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import itertools
 import os
+import pkgutil
 import re
 import subprocess
 import tempfile
@@ -42,6 +44,8 @@ REGISTER_BUDGET = {
     "_check_sampled_kernel": 64,
     "_append_sampled_kernel": 64,
     "_mrope_positions_kernel": 64,
+    "_mamba_state_indices_kernel": 64,
+    "_cp_slot_mapping_kernel": 64,
 }
 
 
@@ -198,6 +202,26 @@ def mrope_launch(num_tokens: int) -> Launch:
     return _only(launches)
 
 
+def mamba_state_indices_launch(num_speculative_blocks: int) -> Launch:
+    from fast.kernels.mamba import mamba_state_indices_triton
+
+    index = functools.partial(torch.empty, dtype=torch.int32, device="meta")
+    with captured_launches() as launches:
+        mamba_state_indices_triton(index((16, 10)), index(4), index(4), torch.empty((3, 4), dtype=torch.int64,
+                                   device="meta"), 64, num_speculative_blocks)  # fmt: skip
+    return _only(launches)
+
+
+def cp_slot_mapping_launch(interleave: int) -> Launch:
+    from fast.kernels.context_parallel import cp_slot_mapping_triton
+
+    positions, index = torch.empty(300, dtype=torch.int64, device="meta"), functools.partial(torch.empty, device="meta")
+    with captured_launches() as launches:
+        cp_slot_mapping_triton(torch.empty_like(positions), positions, index(5, dtype=torch.int32),
+                               index((4, 16), dtype=torch.int32), 16, 4, 1, interleave)  # fmt: skip
+    return _only(launches)
+
+
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 HEAD_DIMS = (64, 96, 128)  # 96: not a power of two, the kernels mask the padded lanes
 INT64_SLOTS = 2**31 + 2**20  # a cache with more slots than int32 holds: Triton passes the count as int64
@@ -247,6 +271,11 @@ def _cases() -> dict[str, tuple[Callable[[], Launch], tuple[int, ...]]]:
         cases[f"prepare-g{groups}-blocks{blocks}"] = (functools.partial(prepare_launch, groups, blocks), ARCHS)
     for groups in (1, 3):
         cases[f"apply_writes-g{groups}"] = (functools.partial(apply_writes_launch, groups), ARCHS)
+    for spec_blocks in (0, 2):
+        launch = functools.partial(mamba_state_indices_launch, spec_blocks)
+        cases[f"mamba_state_indices-s{spec_blocks}"] = (launch, ARCHS)
+    for interleave in (1, 4):
+        cases[f"cp_slot_mapping-i{interleave}"] = (functools.partial(cp_slot_mapping_launch, interleave), ARCHS)
     for which, one_per_row in itertools.product((0, 1), (False, True)):
         form = "one-per-row" if one_per_row else "accepted"
         kind = ("check", "append")[which]
@@ -344,15 +373,9 @@ def test_kernel_compiles_without_spilling(name: str, arch: int) -> None:
 
 def test_every_kernel_is_compiled() -> None:
     """A kernel added to fast.kernels without a case here would escape the checks above."""
-    import fast.kernels.apply_writes
-    import fast.kernels.mrope
-    import fast.kernels.paged_attention
-    import fast.kernels.prepare
-    import fast.kernels.record_ahead
-    import fast.kernels.write_kv
+    import fast.kernels
 
-    modules = (fast.kernels.apply_writes, fast.kernels.paged_attention, fast.kernels.prepare,
-               fast.kernels.record_ahead, fast.kernels.write_kv, fast.kernels.mrope)  # fmt: skip
+    modules = [importlib.import_module(f"fast.kernels.{m.name}") for m in pkgutil.iter_modules(fast.kernels.__path__)]
     defined = {name for m in modules for name, obj in vars(m).items() if isinstance(obj, Kernel)}
     covered = {launch().kernel.fn.__name__ for launch, _ in CASES.values()}
     assert defined == covered == set(REGISTER_BUDGET)
