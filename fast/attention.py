@@ -18,6 +18,7 @@ CUDA tensor costs one device->host copy per call.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from fast.cpu.attention import paged_attention_cpu
@@ -72,7 +73,9 @@ def paged_attention(
         return out
     # the CPU kernel reads and writes float32 rows; a float32 query is used as it lies
     query32 = query.detach().to(torch.float32).contiguous()
-    out32 = torch.zeros_like(query32)  # padding rows past query_start_loc[-1] stay zero
+    # padding rows past query_start_loc[-1] stay zero; NumPy's zeros (calloc) rather than torch's parallel fill:
+    # at two threads on a busy machine each torch parallel region waits for a second core (several ms per call)
+    out32 = torch.from_numpy(np.zeros(query32.shape, np.float32))
     paged_attention_cpu(
         out32, query32, key_cache.detach(), value_cache.detach(), block_table, seq_lens, query_start_loc,
         scale=float(scale), sliding_window=sliding_window, softcap=softcap, fmt=fmt, k_scale=k_values,
