@@ -90,8 +90,10 @@ def paged_attention_cpu(
                 out.numpy(), query.numpy(), key, value, strides, table, items, group, head_dim, block_size,
                 np.float32(scale), sliding_window or 0, np.float32(softcap or 0.0), k_scales, v_scales,
             )  # fmt: skip
-    # Numba's OpenMP threading layer (where it is the one in use) leaves its own thread count in the OpenMP
-    # runtime it shares with torch (and any extension on it): torch's count is restored
+    # Where Numba's OpenMP threading layer shares torch's OpenMP runtime it leaves its own thread count there:
+    # torch's count is restored. Where it loads a second runtime (the system libgomp beside torch's, as in
+    # .venv-vllm) torch's parallel regions after a Numba parallel call can stall instead (SDPA at 2 threads
+    # measured 68 ms -> 1.1-1.8 s); NUMBA_THREADING_LAYER=workqueue avoids that, for callers on one Python thread
     torch.set_num_threads(torch_threads)
 
 
