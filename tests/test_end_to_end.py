@@ -14,7 +14,6 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-import torch
 from typer.testing import CliRunner
 
 import spec
@@ -29,14 +28,7 @@ from slotmap.tiny.engine import Engine, RequestRecord, drive
 from slotmap.tiny.model import ModelConfig
 from spec.types import BatchInputs, CachedRequest, KVCacheGroup, NewRequest, SchedulerOutput, WorkerConfig
 
-
-@pytest.fixture(autouse=True)
-def _one_torch_thread() -> object:
-    """The model is tiny: extra intra-op threads only spin against other work on a shared CI machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 GROUPS = (KVCacheGroup(block_size=4, num_blocks=64), KVCacheGroup(block_size=4, num_blocks=64, sliding_window=5))

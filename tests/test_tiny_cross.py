@@ -7,7 +7,6 @@ import dataclasses
 import random
 
 import pytest
-import torch
 
 from conformance.backends import BackendHandle, load_backend
 from conformance.scheduler import ReferenceScheduler, SchedulerKnobs, make_workload
@@ -23,12 +22,7 @@ MODEL = ModelConfig(vocab_size=2048, hidden_size=32, intermediate_size=64, head_
 A_PROMPT, B_PROMPT = (7, 300, 1999, 42, 5, 5, 810, 64, 11, 12), (901, 902, 903)
 
 
-@pytest.fixture(autouse=True)
-def _one_torch_thread() -> object:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 def hand_steps() -> list[SchedulerOutput]:

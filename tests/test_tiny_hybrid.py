@@ -10,7 +10,6 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 import pytest
-import torch
 
 from conformance.backends import BackendHandle, load_backend
 from conformance.scheduler import ReferenceScheduler, SchedulerKnobs, make_workload
@@ -34,12 +33,7 @@ MODEL = ModelConfig(vocab_size=2048, hidden_size=32, intermediate_size=64, head_
 A_PROMPT, B_PROMPT, C_PROMPT = (7, 300, 1999, 42, 5, 5, 810, 64, 11, 12), (901, 902, 903), (3, 1, 4, 1, 5)
 
 
-@pytest.fixture(autouse=True)
-def _one_torch_thread() -> object:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 def hand_steps() -> list[SchedulerOutput]:

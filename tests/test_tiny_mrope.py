@@ -12,7 +12,6 @@ import random
 
 import numpy as np
 import pytest
-import torch
 
 from conformance.backends import BackendHandle, load_backend
 from conformance.scheduler import ReferenceScheduler, SchedulerKnobs, Workload, WorkloadRequest
@@ -22,13 +21,7 @@ from slotmap.tiny.engine import Engine, RequestRecord, drive
 from slotmap.tiny.model import ModelConfig
 from spec.types import BatchInputs, KVCacheGroup, SchedulerOutput, WorkerConfig
 
-
-@pytest.fixture(autouse=True)
-def _one_torch_thread() -> object:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 CONFIG = WorkerConfig(4, 48, 16, 512, (KVCacheGroup(4, 48),), uses_mrope=True)
