@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any, TypeVar
 
-from spec.types import CachedRequest, NewRequest, SchedulerOutput
+from spec.types import CachedRequest, CachedRequestColumns, NewRequest, SchedulerOutput
 
 T = TypeVar("T")
 Malform = Callable[[SchedulerOutput, Sequence[str], random.Random], "SchedulerOutput | None"]
@@ -158,6 +158,96 @@ def _block_ids_not_per_group(out: SchedulerOutput, live: Sequence[str], rng: ran
     return _with_request(out, edit(new, block_ids=disguise))
 
 
+def _none_count(out: SchedulerOutput, live: Sequence[str], rng: random.Random) -> SchedulerOutput | None:
+    scheduled = _scheduled(out)
+    if not scheduled:
+        return None
+    return _with_request(out, edit(rng.choice(scheduled), num_computed_tokens=None))
+
+
+def _non_str_count_key(out: SchedulerOutput, live: Sequence[str], rng: random.Random) -> SchedulerOutput | None:
+    """A count under a key that is no req_id (bytes or int): every request listed keeps its own count."""
+    named = rng.choice([*out.num_scheduled_tokens, "ghost"])
+    key = rng.choice((named.encode(), hash(named) % 1000))
+    items: list[tuple[Any, int]] = list(out.num_scheduled_tokens.items())
+    items.insert(rng.randint(0, len(items)), (key, 1))
+    return edit(out, num_scheduled_tokens=dict(items))
+
+
+def _foreign_new_request(out: SchedulerOutput, live: Sequence[str], rng: random.Random) -> SchedulerOutput | None:
+    """new_requests holding a request's fields as a tuple, or a CachedRequest of the same id."""
+    if not out.new_requests:
+        return None
+    news: list[Any] = list(out.new_requests)
+    i = rng.randrange(len(news))
+    new = news[i]
+    news[i] = rng.choice(((new.req_id, new.prompt_token_ids, new.block_ids), CachedRequest(new.req_id, 0)))
+    return edit(out, new_requests=tuple(news))
+
+
+def _foreign_cached_request(out: SchedulerOutput, live: Sequence[str], rng: random.Random) -> SchedulerOutput | None:
+    """cached_requests (as a tuple) holding a request's fields as a tuple, or a NewRequest of the same id."""
+    if not out.cached_requests:
+        return None
+    cached: list[Any] = list(out.cached_requests)
+    i = rng.randrange(len(cached))
+    req = cached[i]
+    cached[i] = rng.choice(((req.req_id, req.num_computed_tokens), NewRequest(req.req_id, (0,), ((),))))
+    return edit(out, cached_requests=tuple(cached))
+
+
+def _columns(out: SchedulerOutput) -> CachedRequestColumns | None:
+    """out's cached requests as columns (vLLM's CachedRequestData), or None if it has none."""
+    cached = tuple(out.cached_requests)
+    if not cached:
+        return None
+    return CachedRequestColumns(
+        req_ids=[r.req_id for r in cached],
+        num_computed_tokens=[r.num_computed_tokens for r in cached],
+        new_block_ids=[r.new_block_ids for r in cached],
+        resumed_req_ids=frozenset(r.req_id for r in cached if r.resumed),
+    )
+
+
+def _unequal_columns(out: SchedulerOutput, live: Sequence[str], rng: random.Random) -> SchedulerOutput | None:
+    columns = _columns(out)
+    if columns is None:
+        return None
+    name = rng.choice(("num_computed_tokens", "new_block_ids"))
+    column = list(getattr(columns, name))
+    column = column[:-1] if rng.random() < 0.5 else [*column, column[-1]]  # one entry short or one too many
+    return edit(out, cached_requests=edit(columns, **{name: column}))
+
+
+def _resumed_ids_not_a_set(out: SchedulerOutput, live: Sequence[str], rng: random.Random) -> SchedulerOutput | None:
+    columns = _columns(out)
+    if columns is None:
+        return None
+    ids = sorted(columns.resumed_req_ids)
+    return edit(out, cached_requests=edit(columns, resumed_req_ids=rng.choice((ids, tuple(ids)))))
+
+
+def _resumed_id_not_cached(out: SchedulerOutput, live: Sequence[str], rng: random.Random) -> SchedulerOutput | None:
+    """A resumed id among the columns that none of their req_ids is: a new request's, a finished one's, a ghost."""
+    columns = _columns(out)
+    if columns is None:
+        return None
+    stranger = rng.choice([*(r.req_id for r in out.new_requests), *out.finished_req_ids, "ghost"])
+    return edit(out, cached_requests=edit(columns, resumed_req_ids=columns.resumed_req_ids | {stranger}))
+
+
+def _new_block_ids_not_per_group(
+    out: SchedulerOutput, live: Sequence[str], rng: random.Random
+) -> SchedulerOutput | None:
+    if not out.cached_requests:
+        return None
+    cached = rng.choice(tuple(out.cached_requests))
+    groups = tuple(cached.new_block_ids or ())  # () for None: then only a non-sequence is surely wrong
+    miscounted = ((*groups, ()), groups[:-1]) if groups else ()  # one group too many or too few
+    disguise = rng.choice((7, dict(enumerate(groups)), *miscounted))
+    return _with_request(out, edit(cached, new_block_ids=disguise))
+
+
 CHECK_ONE: dict[str, Malform] = {
     "non-str req id": _non_str_id,
     "bool count": _bool_count,
@@ -171,4 +261,12 @@ CHECK_ONE: dict[str, Malform] = {
     "new and cached": _new_and_cached,
     "non-bool resumed": _non_bool_resumed,
     "block ids not per group": _block_ids_not_per_group,
+    "None count": _none_count,
+    "non-str count key": _non_str_count_key,
+    "request not a NewRequest": _foreign_new_request,
+    "request not a CachedRequest": _foreign_cached_request,
+    "columns of unequal length": _unequal_columns,
+    "resumed ids not a set": _resumed_ids_not_a_set,
+    "resumed id not cached": _resumed_id_not_cached,
+    "new block ids not per group": _new_block_ids_not_per_group,
 }

@@ -31,6 +31,7 @@ INVALID_SUITE = "conformance/test_invalid.py::test_invalid_outputs_are_rejected_
 EVERY_CLASS = "conformance/test_invalid.py::test_every_error_class_is_provoked_and_survived"
 MALFORMATIONS = "conformance/test_invalid.py::test_every_malformation_is_provoked_and_survived"
 DRAFT_FAULTS = "conformance/test_drafts.py::test_every_draft_fault_is_provoked_and_survived"
+MISUSE = "conformance/test_invalid.py::test_misuse_between_the_calls_changes_nothing"
 SAMPLED = "conformance/test_sampled_faults.py::test_every_sampled_fault_is_refused_identically"
 PIPELINE, BOUNDARIES = "conformance/test_pipeline.py", "conformance/test_boundaries.py"
 ERRORS = "conformance/test_errors.py"
@@ -298,15 +299,15 @@ RULES: tuple[Rule, ...] = (
     Rule(V, "_check_containers", '"scheduled_spec_decode_tokens", f"{drafts}', "drafts are a mapping",
          EVERY_STEP, GENERATED, (MALFORMATIONS,)),
     Rule(V, "_check_containers", "not a NewRequest", "new_requests holds NewRequests",
-         EVERY_STEP, f"{IP}::test_a_container_of_the_wrong_kind_is_refused", (IP,)),
+         EVERY_STEP, GENERATED, (MALFORMATIONS, IP)),
     Rule(V, "_check_containers", "one per req_id", "columns of cached requests agree in length",
-         EVERY_STEP, f"{IP}::test_a_container_of_the_wrong_kind_is_refused", (IP,)),
+         EVERY_STEP, GENERATED, (MALFORMATIONS, IP)),
     Rule(V, "_check_containers", '"needs a set"', "columns' resumed_req_ids is a set",
-         EVERY_STEP, f"{IP}::test_a_container_of_the_wrong_kind_is_refused", (IP,)),
+         EVERY_STEP, GENERATED, (MALFORMATIONS, IP)),
     Rule(V, "_check_containers", "is not among the cached", "columns' resumed ids are cached ids",
-         EVERY_STEP, f"{IP}::test_a_container_of_the_wrong_kind_is_refused", (IP,)),
+         EVERY_STEP, GENERATED, (MALFORMATIONS, IP)),
     Rule(V, "_check_containers", "not a CachedRequest", "cached_requests holds CachedRequests",
-         EVERY_STEP, f"{IP}::test_a_container_of_the_wrong_kind_is_refused", (IP,)),
+         EVERY_STEP, GENERATED, (MALFORMATIONS, IP)),
     Rule(V, "_check_containers", '"finished_req_ids", f"{req_id!r} is not a str")', "finished ids are str",
          EVERY_STEP, GENERATED, (MALFORMATIONS,)),
     Rule(V, "_check_containers", '"finished_req_ids", "listed twice"', "a finished id is listed once",
@@ -323,7 +324,7 @@ RULES: tuple[Rule, ...] = (
     Rule(V, "_check_consistency", '"num_computed_tokens"', "num_computed_tokens is an integer >= 0",
          "a resumed request starting from 0", GENERATED, (EVERY_CLASS, MALFORMATIONS)),
     Rule(V, "_check_consistency", 'fail(None, "num_scheduled_tokens", f"key', "num_scheduled_tokens keys are str",
-         EVERY_STEP, f"{IP}::test_a_field_of_the_wrong_type_is_refused", (IP,)),
+         EVERY_STEP, GENERATED, (MALFORMATIONS, IP)),
     Rule(V, "_check_consistency", "neither new nor cached", "a scheduled request is listed",
          EVERY_STEP, GENERATED, (EVERY_CLASS,)),
     Rule(V, "_check_consistency", "every scheduled request needs", "num_scheduled_tokens are integers >= 1",
@@ -339,7 +340,7 @@ RULES: tuple[Rule, ...] = (
     Rule(V, "_check_consistency", '"resumed"', "resumed is a bool",
          EVERY_STEP, GENERATED, (MALFORMATIONS,)),
     Rule(V, "_check_consistency", '"new_block_ids", f"', "new_block_ids has an entry per group",
-         EVERY_STEP, f"{IP}::test_a_field_of_the_wrong_type_is_refused", (IP,)),
+         EVERY_STEP, GENERATED, (MALFORMATIONS, IP)),
     # check 1, M-RoPE inputs of new requests (spec/mrope.py check_mrope_inputs)
     Rule(R, "check_mrope_inputs", "the model does not use M-RoPE", "tables and deltas only on a model with M-RoPE",
          EVERY_STEP, GENERATED, (MALFORMATIONS, f"{MROPE}::{MROPE_REFUSED}")),
@@ -457,12 +458,11 @@ RULES: tuple[Rule, ...] = (
          ("conformance/test_errors.py::test_sampled_token_past_max_model_len_is_rejected",)),
     # prepare and row_of (spec/pool.py)
     Rule(P, "prepare", "not the last applied", "prepare only the output applied last",
-         EVERY_STEP, f"{IP}::test_mutating_the_output_after_apply_changes_nothing", (IP,)),
+         EVERY_STEP, GENERATED, (MISUSE, IP)),
     Rule(P, "prepare", "is not an integer", "pad_to is an integer",
-         EVERY_STEP, f"{IP}::test_pad_to_that_is_not_an_integer_at_least_the_tokens_is_refused", (IP,)),
+         EVERY_STEP, GENERATED, (MISUSE, f"{IP}::test_pad_to_that_is_not_an_integer_at_least_the_tokens_is_refused")),
     Rule(P, "prepare", "scheduled tokens", "pad_to is at least the scheduled tokens",
-         EVERY_STEP, f"{IP}::test_pad_to_that_is_not_an_integer_at_least_the_tokens_is_refused", (IP,)),
+         EVERY_STEP, GENERATED, (MISUSE, f"{IP}::test_pad_to_that_is_not_an_integer_at_least_the_tokens_is_refused")),
     Rule(P, "row_of", "request holds no row", "row_of a request that holds a row",
-         EVERY_STEP, "conformance/test_errors.py::test_row_of_an_unknown_request",
-         ("conformance/test_errors.py::test_row_of_an_unknown_request",)),
+         EVERY_STEP, GENERATED, (MISUSE, "conformance/test_errors.py::test_row_of_an_unknown_request")),
 )

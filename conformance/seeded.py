@@ -50,6 +50,10 @@ class Refusals:
         calls = iter(batches)
         self._each(lambda pool, handle: pool.record_sampled(next(calls), handle.asarray(ids)), expected)
 
+    def call(self, call: Callable[[StatePool], object], expected: type[ScheduleError]) -> None:
+        """A misused call of the pool (prepare, row_of: conformance.probes.call_faults)."""
+        self._each(lambda pool, handle: call(pool), expected)
+
     def _each(self, call: Callable[[StatePool, BackendHandle], object], expected: type[ScheduleError]) -> None:
         for i, (pool, handle) in enumerate(zip(self.pools, self.handles, strict=True)):
             before = pool.snapshot()

@@ -25,7 +25,7 @@ from conformance.mutations import MALFORMATIONS
 from conformance.probes import EDITS
 from spec import CachedRequest, KVCacheGroup, NewRequest, SchedulerOutput, WorkerConfig
 from spec.errors import InconsistentSchedulerOutputError, ScheduleError, TokenIdError
-from spec.types import PAD_SLOT_ID, BatchInputs
+from spec.types import PAD_SLOT_ID, BatchInputs, CachedRequestColumns
 
 # one full-attention group and one sliding-window group, block size 4 in both
 CONFIG = WorkerConfig(
@@ -49,6 +49,7 @@ FIRST = SchedulerOutput(
 AnyOutput: Any = SchedulerOutput
 AnyNew: Any = NewRequest
 AnyCached: Any = CachedRequest
+AnyColumns: Any = CachedRequestColumns
 
 
 @pytest.fixture(autouse=True)
@@ -243,13 +244,35 @@ MALFORMED: dict[str, tuple[str, str | None, str, Callable[[], SchedulerOutput]]]
                           num_scheduled_tokens={"c": 1})),
     "cached_requests as a generator": ("generator container", None, "cached_requests",
         lambda: AnyOutput(cached_requests=(r for r in (AnyCached("a", 6),)), num_scheduled_tokens={"a": 1})),
-    "new request as a tuple": ("request as a tuple", None, "new_requests",
+    "new request as a tuple": ("request not a NewRequest", None, "new_requests",
         lambda: AnyOutput(new_requests=(("c", (1,), ((9,), (10,))),), num_scheduled_tokens={"c": 1})),
+    "cached request as a tuple": ("request not a CachedRequest", None, "cached_requests",
+        lambda: AnyOutput(cached_requests=(("a", 6),), num_scheduled_tokens={"a": 1})),
+    "a bytes key among the counts": ("non-str count key", None, "num_scheduled_tokens",
+        lambda: AnyOutput(cached_requests=(AnyCached("a", 6),), num_scheduled_tokens={"a": 1, b"a": 1})),
+    "new block ids for one group of two": ("new block ids not per group", "a", "new_block_ids",
+        lambda: AnyOutput(cached_requests=(AnyCached("a", 6, ((45,),)),), num_scheduled_tokens={"a": 1})),
+    "a column one short": ("columns of unequal length", None, "cached_requests.num_computed_tokens",
+        lambda: AnyOutput(cached_requests=CachedRequestColumns(["a", "b"], [6]),
+                          num_scheduled_tokens={"a": 1, "b": 1})),
+    "resumed ids as a list": ("resumed ids not a set", None, "cached_requests.resumed_req_ids",
+        lambda: AnyOutput(cached_requests=AnyColumns(["a"], [0], [((41, 42), (43, 44))], ["a"]),
+                          num_scheduled_tokens={"a": 7})),
+    "a resumed id not among the columns": ("resumed id not cached", None, "cached_requests.resumed_req_ids",
+        lambda: AnyOutput(cached_requests=CachedRequestColumns(["a"], [6], None, frozenset({"b"})),
+                          num_scheduled_tokens={"a": 1})),
 }  # fmt: skip
 
 
-NOT_GENERATED = ("None count", "request as a tuple")  # kinds no generator makes (check 1): these cases only
-CONTAINERS = ("generator container", "items container", "request as a tuple")
+CONTAINERS = (
+    "generator container",
+    "items container",
+    "request not a NewRequest",
+    "request not a CachedRequest",
+    "columns of unequal length",
+    "resumed ids not a set",
+    "resumed id not cached",
+)
 REPEATS = ("repeated finished id", "repeated new request", "repeated cached request", "new and cached")
 
 
@@ -259,7 +282,7 @@ def _cases(kinds: tuple[str, ...], inside: bool = True) -> list[str]:
 
 def _refused_after_first(backend: BackendHandle, case: str) -> None:
     kind, req_id, field, make = MALFORMED[case]
-    error = InconsistentSchedulerOutputError if kind in NOT_GENERATED else MALFORMATIONS[kind][0]
+    error = MALFORMATIONS[kind][0]
     pair = _pair(backend)
     _refused(pair, lambda pool: pool.apply(make()), error, req_id, field)
     _decode_both(pair)
@@ -283,8 +306,7 @@ def test_an_id_listed_twice_is_refused(backend: BackendHandle, case: str) -> Non
 def test_every_kind_of_check_one_malformation_has_a_named_case() -> None:
     """The cases name the generators' kinds (so a renamed or new kind shows here) and cover all of check 1's."""
     kinds = {kind for kind, *_ in MALFORMED.values()}
-    assert kinds - set(NOT_GENERATED) <= set(MALFORMATIONS), sorted(kinds - set(NOT_GENERATED) - set(MALFORMATIONS))
-    assert not set(NOT_GENERATED) & set(MALFORMATIONS), "a generator makes it now: tag its cases with that kind"
+    assert kinds <= set(MALFORMATIONS), sorted(kinds - set(MALFORMATIONS))
     assert set(CHECK_ONE) <= kinds, f"no named case of {sorted(set(CHECK_ONE) - kinds)}"
 
 

@@ -94,10 +94,11 @@ def test_every_malformation_is_provoked_and_survived(backend: BackendHandle, nam
     pytest.fail(f"no scenario offered a way to make {name!r}")
 
 
-def test_stale_batches_and_mutated_outputs_change_nothing(backend: BackendHandle, conformance_scale: float) -> None:
-    """Between the calls of valid steps: an earlier or recorded batch is refused, a mutated output ignored."""
+def test_misuse_between_the_calls_changes_nothing(backend: BackendHandle, conformance_scale: float) -> None:
+    """Between the calls of valid steps: an earlier or recorded batch is refused, a mutated output ignored,
+    misused prepare and row_of calls refused with the batch just prepared intact."""
     budget = budget_for(backend, settings().max_examples, conformance_scale / 8)
-    probed = {"mutated": 0, "stale": 0}
+    probed = {"mutated": 0, "stale": 0, "misused": 0}
 
     @settings(
         max_examples=budget.examples,
@@ -121,4 +122,4 @@ def test_stale_batches_and_mutated_outputs_change_nothing(backend: BackendHandle
                 probed[what] += n
 
     check()
-    assert probed["mutated"] and probed["stale"], f"the probes never ran: {probed}"
+    assert all(probed.values()), f"a probe never ran: {probed}"

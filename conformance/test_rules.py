@@ -16,6 +16,7 @@ import pytest
 import spec
 from conformance.backends import BackendHandle
 from conformance.mutations import MALFORMATIONS, breaker, malformation_breaker
+from conformance.probes import call_faults
 from conformance.rule_sites import SPEC_DIR, Site, site_of, sites
 from conformance.rules import EVERY_STEP, GENERATED, RULES, SAMPLED_EDGES, VALID_EDGES, Rule
 from conformance.sampled_faults import SAMPLED_FAULTS, break_sampled, stale_batch
@@ -59,10 +60,12 @@ class _Reach:
         self.sites: collections.Counter[Site | None] = collections.Counter()
         self.handles = [BackendHandle("spec", spec)]
         self.pools: Sequence[StatePool] = ()  # the run's pools, as the last before_apply saw them
+        self.applied: list[SchedulerOutput] = []  # the run's valid outputs so far
 
     def before_apply(self, out: SchedulerOutput, config: WorkerConfig, pools: Sequence[StatePool],
                      rng: random.Random) -> None:  # fmt: skip
         self.pools = pools
+        self.applied.append(out)
         rows = {row.req_id: row for row in pools[0].snapshot()}
         self.edges.update(name for name, edge in VALID_EDGES.items() if edge(config, rows, out))
         refusals = Refusals(self.handles, pools)
@@ -85,6 +88,10 @@ class _Reach:
         stale = stale_batch(sampled.batch, handle.to_numpy, handle.asarray, rng)
         if stale is not None:
             refusals.record([stale], pad_accepted(sampled.rows), InconsistentSchedulerOutputError)
+        out, earlier = self.applied[-1], (self.applied[-2] if len(self.applied) > 1 else None)
+        held = [row.req_id for row in self.pools[0].snapshot()]
+        for _, call, cls in call_faults(out, earlier, sampled.batch.num_tokens, held, rng):
+            refusals.call(call, cls)
         self.sites.update(site_of(exc) for exc in refusals.raised)
 
 

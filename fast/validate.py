@@ -35,8 +35,6 @@ from typing import Any
 import numpy as np
 from numba import njit
 
-from spec.cross_attention import cross_group
-from spec.mamba import has_mamba
 from spec.state import PoolState, StepPlan, TableWrites, ranges
 from spec.types import CachedRequest, CachedRequestColumns, NewRequest, SchedulerOutput
 
@@ -51,9 +49,9 @@ def plan_bulk_step(
     released_tails: list[np.ndarray | None] | None = None,  # per group [R]: last_released_entries, or None: scan
 ) -> StepPlan | None:
     config = state.config
-    if cross_group(config) is not None:  # the cross group's rules (spec/cross_attention.py) are plan_step's alone
-        return None
-    if has_mamba(config):  # so are the state reads of a mamba group (spec/mamba.py), which plan_step freezes
+    # attention groups only: a cross group's rules (spec/cross_attention.py) and a mamba group's state reads
+    # (spec/mamba.py), which plan_step freezes, are plan_step's alone
+    if any(group.kind != "attention" for group in config.kv_groups):
         return None
     scheduled, new, finished = sched.num_scheduled_tokens, sched.new_requests, sched.finished_req_ids
     if type(scheduled) is not dict or type(new) not in _SEQUENCES or type(finished) not in (frozenset, set):
@@ -202,7 +200,8 @@ def _read_drafts(
 def _read_cached(cached: Any) -> tuple[list[str], Any, list[Any] | None] | None:
     """(req_ids, num_computed_tokens, new_block_ids or None) of the cached requests, or None if any is resumed."""
     if type(cached) is CachedRequestColumns:
-        if cached.resumed_req_ids or type(cached.req_ids) not in _SEQUENCES:
+        resumed_ids = cached.resumed_req_ids  # spec's to judge unless an empty set (an empty tuple is refused)
+        if resumed_ids or type(resumed_ids) not in (frozenset, set) or type(cached.req_ids) not in _SEQUENCES:
             return None
         req_ids, computed, blocks = list(cached.req_ids), cached.num_computed_tokens, cached.new_block_ids
         if type(computed) in _SEQUENCES:
