@@ -137,6 +137,7 @@ def random_scenario(
         knobs = replace(knobs, spec_tokens=spec_tokens, acceptance_rate=acceptance_rate,
                         drafts_on_admission=rng.random() < 0.5)  # fmt: skip
     knobs = replace(knobs, null_lookahead=rng.random() < 0.5)  # drawn last: earlier seeds' draws stay as they were
+    knobs = with_vllm_form_draw(knobs, random.Random(f"vllm form {seed}"))  # its own source: the same scenario
     if attention is not None:  # drawn after everything else, for the same reason
         attention = with_fp8_draw(attention, rng)
     # a multimodal model (spec/mrope.py), for callers that speak M-RoPE (vLLM's scheduler output carries no
@@ -159,6 +160,12 @@ def random_scenario(
     if async_scheduling and no_mamba and random.Random(f"async {seed}").random() < ASYNC_SHARE:  # own source too
         config = replace(config, async_scheduling=True)
     return Scenario(config, workload, knobs, attention, scenario_seed)
+
+
+def with_vllm_form_draw(knobs: SchedulerKnobs, rng: random.Random) -> SchedulerKnobs:
+    """knobs with drawn forms of vLLM's output (conformance/scheduler/vllm_form.py), each on about half the time."""
+    return replace(knobs, zero_new_blocks=rng.random() < 0.5, common_prefix_blocks=rng.random() < 0.5,
+                   model_runner_v2=rng.random() < 0.5, pipeline_parallel=rng.random() < 0.5)  # fmt: skip
 
 
 def with_fp8_draw(attention: AttentionSpec, rng: random.Random) -> AttentionSpec:

@@ -231,8 +231,8 @@ def vllm_claims(
         if n and batch.num_reqs:
             first = table_of(0, g)[:n]
             for b, req_id in enumerate(batch.req_ids):
-                row = table_of(b, g)[:n]
-                if row.shape != first.shape or not np.array_equal(row, first) or (row == NULL_BLOCK_ID).any():
+                row = table_of(b, g)[:n]  # a table narrower than the claim holds fewer than n: a wrong claim too
+                if len(row) < n or not np.array_equal(row, first) or (row == NULL_BLOCK_ID).any():
                     detail = f"{n} common blocks in group {g}, but this request's first {n} are {row.tolist()}"
                     yield req_id, "num_common_prefix_blocks", detail
                     break

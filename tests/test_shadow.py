@@ -9,6 +9,7 @@ from __future__ import annotations
 import runpy
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -18,31 +19,43 @@ import torch
 
 import spec
 from conformance.scenario import Scenario, random_scenario
-from conformance.scheduler import ReferenceScheduler, SchedulerKnobs, make_workload
+from conformance.scheduler import ReferenceScheduler, SchedulerKnobs, as_vllm, make_workload
 from conformance.shadow import ShadowChecker, ShadowMismatchError, ShadowRefusalError, replay
 from conformance.shadow_inputs import to_numpy
 from spec.errors import ScheduleError
 from spec.interop import VllmCachedRequestData, VllmNewRequestData, VllmSchedulerOutput
-from spec.types import KVCacheGroup, NewRequest, SchedulerOutput, WorkerConfig
-from tests.v1_style_engine import V1StyleEngine, to_vllm
+from spec.types import NULL_BLOCK_ID, KVCacheGroup, NewRequest, SchedulerOutput, WorkerConfig
+from tests.v1_style_engine import V1StyleEngine
+
+# a wrong claim planted in a real step's vLLM output: (the output, slotmap's, the scheduler) -> the planted output,
+# or None to send it as it is
+Plant = Callable[[VllmSchedulerOutput, SchedulerOutput, ReferenceScheduler], VllmSchedulerOutput | None]
 
 
 def _scenario(seed: int) -> Scenario:
-    """Few blocks (preemption and resumption), a windowed group, prefixes, chunked prefill, aborts."""
+    """Few blocks (preemption and resumption), a windowed group, prefixes, chunked prefill, aborts; every field
+    of vLLM's output sent, in model runner v1's form and v2's, with and without pipeline parallelism."""
     config = WorkerConfig(4, 48, 40, 97, (KVCacheGroup(4, 22), KVCacheGroup(3, 30, sliding_window=7)))
-    knobs = SchedulerKnobs(max_chunk=9, abort_prob=0.05, shuffle_order=True, reuse_freed_first=True)
-    workload = make_workload(seed, config, num_requests=8, max_arrival_step=6, num_prefixes=2, max_new_tokens=10)
+    knobs = SchedulerKnobs(max_chunk=9, abort_prob=0.05, shuffle_order=True, reuse_freed_first=True,
+                           zero_new_blocks=True, common_prefix_blocks=True, model_runner_v2=seed % 2 == 1,
+                           pipeline_parallel=seed >= 2)  # fmt: skip
+    one_prefix = seed >= 2  # every request starts with the same prefix: running requests share blocks
+    workload = make_workload(seed, config, num_requests=8, max_arrival_step=6, num_prefixes=1 if one_prefix else 2,
+                             max_new_tokens=10, shared_prefix_prob=1.0 if one_prefix else 0.5)  # fmt: skip
     return Scenario(config, workload, knobs, None, seed)
 
 
-def _run(scenario: Scenario, engine: V1StyleEngine, checker: ShadowChecker) -> ReferenceScheduler:
+def _run(
+    scenario: Scenario, engine: V1StyleEngine, checker: ShadowChecker, plant: Plant | None = None
+) -> ReferenceScheduler:
     sched = ReferenceScheduler(scenario.config, scenario.workload, scenario.knobs, seed=scenario.seed)
     rng = np.random.default_rng(scenario.seed)
     while not sched.done():
         out = sched.schedule()
-        vllm_out = to_vllm(out, sched)
+        vllm_out = as_vllm(out, sched)
         arrays, order = engine.execute(vllm_out)
-        checker.check(vllm_out, arrays, order)
+        planted = plant(vllm_out, out, sched) if plant is not None else None
+        checker.check(vllm_out if planted is None else planted, arrays, order)
         takes = sched.sampling_req_ids(out)
         sampled = {r: int(rng.integers(scenario.config.vocab_size)) for r in takes}
         engine.record_sampled(sampled)
@@ -60,16 +73,72 @@ def test_a_correct_v1_style_engine_passes_every_step(seed: int, tmp_path: object
         assert sched.stats.steps == checker.step_index > 0
 
 
-def test_the_correct_runs_cover_moves_preemption_and_resumption(tmp_path: object) -> None:
-    """The runs above are only evidence if rows really moved and requests really came back."""
+def test_the_correct_runs_cover_moves_preemption_resumption_and_every_field_of_vllm(tmp_path: object) -> None:
+    """The runs above are only evidence if rows really moved, requests really came back, and each field of
+    vLLM's output that the checker checks against spec's tables was sent with something to check."""
     swaps = resumptions = preemptions = 0
+    sent = dict.fromkeys(("zeroed", "common_prefix", "preempted", "v2_resumed", "new_token_ids"), 0)
+
+    def count(vllm_out: VllmSchedulerOutput, out: SchedulerOutput, sched: ReferenceScheduler) -> None:
+        sent["zeroed"] += bool(vllm_out.new_block_ids_to_zero)
+        sent["common_prefix"] += any(vllm_out.num_common_prefix_blocks) and len(out.num_scheduled_tokens) > 1
+        sent["preempted"] += bool(vllm_out.preempted_req_ids)
+        sent["v2_resumed"] += sum(r.resumed for r in out.cached_requests) * sched.knobs.model_runner_v2
+        sent["new_token_ids"] += any(vllm_out.scheduled_cached_reqs.new_token_ids)
+
     for seed in range(4):
         engine = V1StyleEngine(_scenario(seed).config)
-        sched = _run(_scenario(seed), engine, ShadowChecker(_scenario(seed).config, repro_dir=str(tmp_path)))
+        sched = _run(_scenario(seed), engine, ShadowChecker(_scenario(seed).config, repro_dir=str(tmp_path)), count)
         swaps += engine.swaps
         resumptions += sched.stats.resumptions
         preemptions += sched.stats.preemptions
     assert swaps > 0 and resumptions > 0 and preemptions > 0, (swaps, resumptions, preemptions)
+    assert all(sent.values()), sent
+
+
+def _shared_blocks(tables: list[list[int]]) -> int:
+    """How many leading entries the tables share, none of them null (the test's own count)."""
+    n = 0
+    while all(len(t) > n for t in tables) and len({t[n] for t in tables}) == 1 and tables[0][n] != NULL_BLOCK_ID:
+        n += 1
+    return n
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_wrong_zero_list_or_common_prefix_claim_in_a_real_step_is_reported(seed: int) -> None:
+    """Into the scheduler's own steps, in turn: a block a scheduled token reads added to new_block_ids_to_zero,
+    and one more common-prefix block in a group than the scheduled requests' tables share. Each is reported at
+    its step, with its field, and nothing else is."""
+    scenario = _scenario(seed)
+    planted: dict[int, str] = {}  # step -> the field planted there
+    step = 0
+
+    def plant(
+        vllm_out: VllmSchedulerOutput, out: SchedulerOutput, sched: ReferenceScheduler
+    ) -> VllmSchedulerOutput | None:
+        nonlocal step
+        step += 1
+        computed = {r.req_id: r.num_computed_tokens for r in (*out.new_requests, *out.cached_requests)}
+        tables = [sched.requests[r].pool_tables for r in out.num_scheduled_tokens]
+        if step % 2 and len(tables) > 1:  # group 1 is windowed: its shared entries end where its window began
+            g = step // 2 % 2
+            claim = [0, 0]
+            claim[g] = _shared_blocks([t[g] for t in tables]) + 1
+            planted[step - 1] = "num_common_prefix_blocks"
+            return replace(vllm_out, num_common_prefix_blocks=claim)
+        read = [(r, n) for r, n in computed.items() if n > 0]  # group 0 (no window) reads every position < n
+        if read and not step % 2:
+            req_id, n = read[step % len(read)]
+            block = sched.requests[req_id].pool_tables[0][(n - 1) // 4]
+            planted[step - 1] = "new_block_ids_to_zero"
+            return replace(vllm_out, new_block_ids_to_zero=[*(vllm_out.new_block_ids_to_zero or ()), block])
+        return None
+
+    checker = ShadowChecker(scenario.config, write_repro=False, on_mismatch="report")
+    _run(scenario, V1StyleEngine(scenario.config), checker, plant)
+    found = {report.step: report.field for report in checker.reports}
+    assert found == planted and len(checker.reports) == len(planted)
+    assert set(planted.values()) == {"num_common_prefix_blocks", "new_block_ids_to_zero"}
 
 
 def test_a_planted_bug_is_caught_with_request_field_step_and_reproduction(tmp_path: object) -> None:
@@ -199,7 +268,7 @@ def _run_torch(scenario: Scenario, checker: ShadowChecker) -> None:
     rng = np.random.default_rng(scenario.seed)
     while not sched.done():
         out = sched.schedule()
-        vllm_out = to_vllm(out, sched)
+        vllm_out = as_vllm(out, sched)
         arrays, order = engine.execute(vllm_out)
         checker.check(vllm_out, {k: torch.from_numpy(v) for k, v in arrays.items()}, order)
         sampled = {r: int(rng.integers(scenario.config.vocab_size)) for r in sched.sampling_req_ids(out)}
@@ -294,3 +363,13 @@ def test_a_common_prefix_claim_is_checked_against_the_tables(tmp_path: object) -
             replace(shared, num_common_prefix_blocks=[2]), {}, ["a", "b"]
         )
     assert caught.value.field == "num_common_prefix_blocks" and caught.value.req_id in {"a", "b"}
+    full = VllmSchedulerOutput(  # every entry of the table's width is a block: a claim past the width is wrong too
+        scheduled_new_reqs=[VllmNewRequestData("a", list(range(1, 15)), ([3, 4, 5, 6],), 0)],
+        scheduled_cached_reqs=VllmCachedRequestData([], set(), [], [], {}),
+        num_scheduled_tokens={"a": 14},
+        num_common_prefix_blocks=[4],
+    )
+    assert ShadowChecker(config, repro_dir=str(tmp_path)).check(full, {}, ["a"]) == []
+    with pytest.raises(ShadowMismatchError) as caught:
+        ShadowChecker(config, repro_dir=str(tmp_path)).check(replace(full, num_common_prefix_blocks=[5]), {}, ["a"])
+    assert (caught.value.req_id, caught.value.field) == ("a", "num_common_prefix_blocks")

@@ -1,11 +1,14 @@
 """A test-only engine in the style of vLLM v1's model runner, to show the shadow checker on a real loop.
 
 It speaks vLLM's language, not slotmap's: it consumes vLLM-shaped scheduler outputs
-(spec.interop.VllmSchedulerOutput) and keeps a persistent batch whose batch index is the row:
+(spec.interop.VllmSchedulerOutput, from conformance.scheduler.as_vllm) and keeps a persistent batch whose
+batch index is the row:
 - finished requests leave; requests not scheduled this step leave the batch (their state is kept);
   new and re-added requests fill the first hole, then the batch is condensed (`move_row` of the last
   rows into the holes) and reordered decodes-first by `swap_rows` (vLLM v1 reorders this way for
   attention backends that split decodes and prefills), so rows move every step;
+- a new request carrying `prefill_token_ids` (model runner v2's form) starts from those tokens: v2 sends a
+  preempted request back that way;
 - conventions of v1: block-table width rounded to 128 tokens (spec.interop.vllm_table_width), unused
   entries 0, int32 input ids, slot buffers of max_num_batched_tokens with padding -1, and input-id /
   position buffers whose padding holds whatever an earlier step left there.
@@ -20,37 +23,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from conformance.scheduler import ReferenceScheduler
-from spec.interop import VllmCachedRequestData, VllmNewRequestData, VllmSchedulerOutput, vllm_table_width
-from spec.types import SchedulerOutput, WorkerConfig
+from spec.interop import VllmSchedulerOutput, vllm_table_width
+from spec.types import WorkerConfig
 
 BUGS = (None, "swap_keeps_block_table")
-
-
-def to_vllm(out: SchedulerOutput, sched: ReferenceScheduler) -> VllmSchedulerOutput:
-    """The reference scheduler's output as vLLM would send it (resumed requests carry all their tokens)."""
-    cached = out.cached_requests
-    return VllmSchedulerOutput(
-        scheduled_new_reqs=[
-            VllmNewRequestData(r.req_id, list(r.prompt_token_ids), _lists(r.block_ids), r.num_computed_tokens)
-            for r in out.new_requests
-        ],
-        scheduled_cached_reqs=VllmCachedRequestData(
-            req_ids=[r.req_id for r in cached],
-            resumed_req_ids={r.req_id for r in cached if r.resumed},
-            new_block_ids=[None if r.new_block_ids is None else _lists(r.new_block_ids) for r in cached],
-            num_computed_tokens=[r.num_computed_tokens for r in cached],
-            all_token_ids={r.req_id: list(sched.requests[r.req_id].tokens) for r in cached if r.resumed},
-        ),
-        num_scheduled_tokens=dict(out.num_scheduled_tokens),
-        scheduled_spec_decode_tokens={},
-        finished_req_ids=set(out.finished_req_ids),
-        preempted_req_ids=set(),
-    )
-
-
-def _lists(groups: tuple[tuple[int, ...], ...]) -> tuple[list[int], ...]:
-    return tuple(list(g) for g in groups)
 
 
 @dataclass
@@ -112,7 +88,8 @@ class V1StyleEngine:
         for new in out.scheduled_new_reqs:
             if new.prompt_token_ids is None:
                 raise ValueError(f"request {new.req_id!r}: prompt_token_ids: this engine needs token ids")
-            self.requests[new.req_id] = _RequestState(list(new.prompt_token_ids), [list(g) for g in new.block_ids],
+            tokens = new.prompt_token_ids if new.prefill_token_ids is None else new.prefill_token_ids
+            self.requests[new.req_id] = _RequestState(list(tokens), [list(g) for g in new.block_ids],
                                                       new.num_computed_tokens)  # fmt: skip
             to_add.append(new.req_id)
         cached = out.scheduled_cached_reqs

@@ -2,12 +2,13 @@
 
 Usage (every output is valid for the spec pool; `expected_snapshot()` says what the pool must hold):
 
-    from conformance.scheduler import ReferenceScheduler, SchedulerKnobs, make_workload
+    from conformance.scheduler import ReferenceScheduler, SchedulerKnobs, as_vllm, make_workload
 
     workload = make_workload(seed, config, num_requests=8, max_arrival_step=8, num_prefixes=2)
     sched = ReferenceScheduler(config, workload, knobs=SchedulerKnobs(pad_buckets=(8, 32, 128)), seed=seed)
     while not sched.done():
         out = sched.schedule()                      # may schedule nothing (e.g. before the first arrival)
+        vllm_out = as_vllm(out, sched)              # the same output as vLLM 0.32 sends it (vllm_form.py)
         pad_to = sched.pad_to(out)                  # None, or a bucket >= out.total_num_scheduled_tokens
         pool.apply(out)
         batch = pool.prepare(out, pad_to)
@@ -32,6 +33,7 @@ from conformance.scheduler.drafter import Drafter
 from conformance.scheduler.knobs import SchedulerKnobs
 from conformance.scheduler.scheduler import ReferenceScheduler
 from conformance.scheduler.stats import SchedulerStats
+from conformance.scheduler.vllm_form import VllmFormError, as_vllm
 from conformance.scheduler.workload import (
     RequestShape,
     Workload,
@@ -48,9 +50,11 @@ __all__ = [
     "RequestShape",
     "SchedulerKnobs",
     "SchedulerStats",
+    "VllmFormError",
     "Workload",
     "WorkloadRequest",
     "WorkloadShape",
+    "as_vllm",
     "build_workload",
     "make_workload",
 ]

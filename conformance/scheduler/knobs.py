@@ -24,3 +24,10 @@ class SchedulerKnobs:
     # a continuing request in a sliding-window group may be sent a null placeholder past its last block, once
     # its table covers every position it can still reach (spec accepts an entry nothing reads or writes)
     null_lookahead: bool = False
+    # vLLM's form of each output (conformance/scheduler/vllm_form.py); none of these changes what is scheduled
+    # new_block_ids_to_zero, as vLLM 0.32 sends it when its cache needs zeroing (a mixed-precision KV cache;
+    # a model with a mamba group sends it whatever this knob says)
+    zero_new_blocks: bool = False
+    common_prefix_blocks: bool = False  # num_common_prefix_blocks: the true counts (0.32 sends it empty)
+    model_runner_v2: bool = False  # v2's form: prefill_token_ids; a resumed request is sent again as a new one
+    pipeline_parallel: bool = False  # new_token_ids: each cached request's scheduled tokens, as PP ranks get them

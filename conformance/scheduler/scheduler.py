@@ -72,6 +72,12 @@ class ReferenceScheduler:
         self._to_release: list[str] = []  # finished since the last output: their rows go in the next one
         self._last: SchedulerOutput | None = None
         self._sampling: tuple[str, ...] = ()
+        self._last_scheduled: frozenset[str] = frozenset()
+        # what the last output did beyond what SchedulerOutput says (vLLM's form says it: vllm_form.py)
+        self.preempted_req_ids: frozenset[str] = frozenset()  # preempted by the last schedule()
+        self.fresh_blocks: tuple[tuple[int, ...], ...] = ()  # per group: blocks it allocated, prefix hits not included
+        self.previously_scheduled: frozenset[str] = frozenset()  # the requests the output before it scheduled
+        self.finished_unheld: frozenset[str] = frozenset()  # aborted by it without ever holding a row
         self.step_index = 0
         self.stats = SchedulerStats()
         self.token_budget = min(knobs.token_budget or config.max_num_batched_tokens, config.max_num_batched_tokens)
@@ -90,9 +96,10 @@ class ReferenceScheduler:
         finished = self._to_release
         self._to_release = []
         self._arrive()
+        unheld: list[str] = []  # aborted before they held a row: vLLM lists them as finished all the same
         if self.knobs.abort_prob and self.rng.random() < self.knobs.abort_prob:
-            self._abort_one(finished)
-        step = _Step(self.token_budget, [set() for _ in self.groups])
+            self._abort_one(finished, unheld)
+        step = _Step(self.token_budget, [set() for _ in self.groups], [[] for _ in self.groups])
         self._schedule_running(step, finished)
         self._schedule_waiting(step, finished)
 
@@ -123,6 +130,11 @@ class ReferenceScheduler:
             == self.requests[r].num_tokens + self.requests[r].phantom + len(step.drafts.get(r, ()))
         )
         self._end_run_ahead(step)
+        self.preempted_req_ids = frozenset(step.preempted)
+        self.fresh_blocks = tuple(tuple(b) for b in step.fresh)
+        self.previously_scheduled = frozenset(self._last_scheduled)
+        self._last_scheduled = frozenset(out.num_scheduled_tokens)
+        self.finished_unheld = frozenset(unheld)
         self._last = out
         self.step_index += 1
         self.stats.steps += 1
@@ -138,6 +150,11 @@ class ReferenceScheduler:
             return None
         self.stats.padded_steps += 1
         return min(fitting)
+
+    @property
+    def last_output(self) -> SchedulerOutput | None:
+        """The output being executed: the last schedule()'s, until update() receives it."""
+        return self._last
 
     def sampling_req_ids(self, out: SchedulerOutput) -> tuple[str, ...]:
         """Requests of `out` whose step reaches their last known token: exactly those that get a sampled token."""
@@ -227,7 +244,7 @@ class ReferenceScheduler:
             n = self._make_room(req, want, step, finished)
             if n == 0:
                 continue  # req left the running list (preempted or aborted); index i is the next one
-            new_ids = self._null_lookahead(req, self._grow(req, n))
+            new_ids = self._null_lookahead(req, self._grow(req, n, step))
             step.add(req.req_id, n)
             self._schedule_drafts(req, drafts[: max(0, req.num_computed + n - req.num_tokens)], step)
             step.cached.append(
@@ -337,7 +354,7 @@ class ReferenceScheduler:
         req.pool_tables = [list(t) for t in plan.tables]  # a new or resumed request replaces its row's table
         req.num_computed = plan.computed
         req.num_hashed = [0] * len(self.groups)
-        self._grow(req, plan.num_tokens)
+        self._grow(req, plan.num_tokens, step)
         tables = tuple(tuple(t) for t in req.blocks)
         self.waiting.remove(req)
         self.running.append(req)
@@ -386,7 +403,7 @@ class ReferenceScheduler:
             fit = min(fit, held * group.block_size - start)
         return max(fit, 0)
 
-    def _grow(self, req: SchedRequest, n: int) -> tuple[tuple[int, ...], ...]:
+    def _grow(self, req: SchedRequest, n: int, step: _Step) -> tuple[tuple[int, ...], ...]:
         """Allocate the blocks positions [num_computed, num_computed + n) still lack, per group."""
         added = []
         for g, group in enumerate(self.groups):
@@ -394,6 +411,7 @@ class ReferenceScheduler:
             if g == self.cross:
                 need = _cross_need(req, len(req.blocks[g]), group.block_size)
             new = self.allocators[g].allocate(max(need, 0))
+            step.fresh[g] += new
             self.stats.window_reuses += len(set(new).intersection(req.pool_tables[g]))  # handed back to its owner
             req.blocks[g] += new
             req.pool_tables[g] += new
@@ -499,13 +517,15 @@ class ReferenceScheduler:
         req.status = Status.FINISHED
         return held
 
-    def _abort_one(self, finished: list[str]) -> None:
+    def _abort_one(self, finished: list[str], unheld: list[str]) -> None:
         live = [*self.running, *self.waiting]
         if live:
             req = self.rng.choice(live)
             self.stats.aborted += 1
             if self._drop(req):
                 finished.append(req.req_id)  # in this very output: apply frees rows before anything else
+            else:
+                unheld.append(req.req_id)
 
 
 def _cross_need(req: SchedRequest, held: int, block_size: int) -> int:
@@ -516,9 +536,10 @@ def _cross_need(req: SchedRequest, held: int, block_size: int) -> int:
 class _Step:
     """What one schedule() call has decided so far."""
 
-    def __init__(self, budget: int, written: list[set[int]]) -> None:
+    def __init__(self, budget: int, written: list[set[int]], fresh: list[list[int]]) -> None:
         self.budget = budget
         self.written = written  # per group: slots a shared block receives this step
+        self.fresh = fresh  # per group: blocks allocated this step (vLLM's new blocks), in allocation order
         self.scheduled: list[tuple[str, int]] = []
         self.drafts: dict[str, tuple[int, ...]] = {}  # req_id -> the drafts it carries (scheduled_spec_decode_tokens)
         self.new: list[NewRequest] = []
