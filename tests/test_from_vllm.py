@@ -1,9 +1,10 @@
 """from_vllm: vLLM-shaped scheduler outputs (objects with exactly vLLM 0.32's fields) become slotmap's.
 
-The reference scheduler drives every kind of step; each output is sent through the vLLM shape and
-back, and spec run on the converted outputs must end every step exactly where spec run on the
-originals does. The shapes used here are this file's own dataclasses with exactly vLLM's field names,
-so the converter cannot rely on spec.interop's.
+The reference scheduler drives every kind of step; each output is sent through the vLLM shape
+(conformance.scheduler.as_vllm) and back, and spec run on the converted outputs must end every step
+exactly where spec run on the originals does. The other tests build this file's own dataclasses with
+exactly vLLM's field names, and the scheduler's outputs are read in them too, so from_vllm cannot rely
+on spec.interop's.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from conformance.backends import BackendHandle
 from conformance.compare import batch_differences
 from conformance.driving import sampled_array
 from conformance.scenario import random_scenario
-from conformance.scheduler import ReferenceScheduler, SchedulerKnobs, make_workload
+from conformance.scheduler import ReferenceScheduler, SchedulerKnobs, VllmFormError, as_vllm, make_workload
 from spec import interop
 from spec.interop import (
     VllmCachedRequestData,
@@ -105,40 +106,43 @@ class VllmOutput:  # 0.32's SchedulerOutput: the fields a worker reads (connecto
     num_common_prefix_blocks: list[int] = field(default_factory=list)
 
 
-def _lists(groups: tuple[tuple[int, ...], ...]) -> tuple[list[int], ...]:
-    return tuple(list(g) for g in groups)
-
-
-def as_vllm(out: SchedulerOutput, sched: ReferenceScheduler) -> VllmOutput:
-    cached = out.cached_requests
+def in_these_shapes(out: VllmSchedulerOutput) -> VllmOutput:
+    """The product converter's output copied, field by field, into this file's shapes (vLLM's every field)."""
+    c = out.scheduled_cached_reqs
     return VllmOutput(
         scheduled_new_reqs=[
-            new_req(r.req_id, list(r.prompt_token_ids), _lists(r.block_ids), r.num_computed_tokens)
-            for r in out.new_requests
+            new_req(
+                r.req_id, r.prompt_token_ids, r.block_ids, r.num_computed_tokens, prefill_token_ids=r.prefill_token_ids
+            )
+            for r in out.scheduled_new_reqs
         ],
-        scheduled_cached_reqs=cached_reqs(
-            req_ids=[r.req_id for r in cached],
-            resumed={r.req_id for r in cached if r.resumed},
-            new_block_ids=[None if r.new_block_ids is None else _lists(r.new_block_ids) for r in cached],
-            computed=[r.num_computed_tokens for r in cached],
-            all_token_ids={r.req_id: list(sched.requests[r.req_id].tokens) for r in cached if r.resumed},
-            num_output_tokens=[sched.requests[r.req_id].num_output for r in cached],
+        scheduled_cached_reqs=CachedRequestData(
+            c.req_ids,
+            c.resumed_req_ids,
+            c.new_token_ids,
+            c.all_token_ids,
+            c.new_block_ids,
+            c.num_computed_tokens,
+            c.num_output_tokens or [],
         ),
-        num_scheduled_tokens=dict(out.num_scheduled_tokens),
-        total_num_scheduled_tokens=out.total_num_scheduled_tokens,
-        # vLLM lists drafting requests only; an empty list per other request must read as "no drafts" too
-        scheduled_spec_decode_tokens={
-            r: list(out.scheduled_spec_decode_tokens.get(r, ())) for r in out.num_scheduled_tokens
-        },
-        finished_req_ids=set(out.finished_req_ids),
-        preempted_req_ids=set(),
+        num_scheduled_tokens=out.num_scheduled_tokens,
+        total_num_scheduled_tokens=out.total_num_scheduled_tokens or 0,
+        scheduled_spec_decode_tokens=out.scheduled_spec_decode_tokens,
+        finished_req_ids=out.finished_req_ids,
+        preempted_req_ids=out.preempted_req_ids,
+        new_block_ids_to_zero=out.new_block_ids_to_zero,
+        num_common_prefix_blocks=out.num_common_prefix_blocks,
     )
 
 
 def _stress(seed: int) -> tuple[WorkerConfig, ReferenceScheduler]:
     config = WorkerConfig(4, 48, 40, 97, (KVCacheGroup(4, 22), KVCacheGroup(3, 30, sliding_window=7)))
-    knobs = SchedulerKnobs(max_chunk=9, abort_prob=0.05, shuffle_order=True, reuse_freed_first=True)
-    workload = make_workload(seed, config, num_requests=8, max_arrival_step=6, num_prefixes=2, max_new_tokens=10)
+    knobs = SchedulerKnobs(max_chunk=9, abort_prob=0.05, shuffle_order=True, reuse_freed_first=True,
+                           zero_new_blocks=True, common_prefix_blocks=True, model_runner_v2=seed % 2 == 1,
+                           pipeline_parallel=seed >= 2)  # fmt: skip
+    one_prefix = seed >= 2  # every request starts with the same prefix: running requests share blocks
+    workload = make_workload(seed, config, num_requests=8, max_arrival_step=6, num_prefixes=1 if one_prefix else 2,
+                             max_new_tokens=10, shared_prefix_prob=1.0 if one_prefix else 0.5)  # fmt: skip
     return config, ReferenceScheduler(config, workload, knobs, seed=seed)
 
 
@@ -151,7 +155,12 @@ def _schedulers() -> list[tuple[WorkerConfig, ReferenceScheduler]]:
 
 
 def test_every_kind_of_step_converts_and_runs_through_spec_identically() -> None:
+    """Through conformance.scheduler.as_vllm (and its output copied into this file's shapes), every field of
+    vLLM's output that slotmap models is sent with something in it at least once."""
     kinds = {"new": 0, "resumed": 0, "finished": 0, "prefix_hit": 0, "no_new_blocks": 0, "chunked": 0, "drafting": 0}
+    kinds |= dict.fromkeys(("preempted_req_ids", "new_block_ids_to_zero", "num_common_prefix_blocks",
+                            "new_token_ids", "prefill_token_ids", "v2_resumed", "all_token_ids",
+                            "num_output_tokens", "finished_never_held"), 0)  # fmt: skip
     for config, sched in _schedulers():
         direct, converted = spec.RequestStatePool(config), spec.RequestStatePool(config)
         rng = np.random.default_rng(0)
@@ -160,8 +169,10 @@ def test_every_kind_of_step_converts_and_runs_through_spec_identically() -> None
             out = sched.schedule()
             known = {row.req_id: row.token_ids for row in converted.snapshot()}
             prompts.update({r.req_id: len(r.prompt_token_ids) for r in out.new_requests})
-            back = from_vllm(as_vllm(out, sched), known_token_ids=known, num_prompt_tokens=prompts)
+            sent = as_vllm(out, sched)
+            back = from_vllm(sent, known_token_ids=known, num_prompt_tokens=prompts)
             assert back == out  # field for field, num_scheduled_tokens' order included
+            assert from_vllm(in_these_shapes(sent), known_token_ids=known, num_prompt_tokens=prompts) == out
             assert list(back.num_scheduled_tokens) == list(out.num_scheduled_tokens)
             kinds["new"] += len(out.new_requests)
             kinds["resumed"] += sum(r.resumed for r in out.cached_requests)
@@ -170,6 +181,18 @@ def test_every_kind_of_step_converts_and_runs_through_spec_identically() -> None
             kinds["no_new_blocks"] += sum(r.new_block_ids is None for r in out.cached_requests)
             kinds["chunked"] += sum(n > 1 for n in out.num_scheduled_tokens.values()) > 0
             kinds["drafting"] += len(out.scheduled_spec_decode_tokens)
+            c = sent.scheduled_cached_reqs
+            kinds["preempted_req_ids"] += len(sent.preempted_req_ids or ())
+            kinds["new_block_ids_to_zero"] += bool(sent.new_block_ids_to_zero)
+            kinds["num_common_prefix_blocks"] += (
+                any(sent.num_common_prefix_blocks) and len(out.num_scheduled_tokens) > 1
+            )
+            kinds["new_token_ids"] += sum(len(t) > 0 for t in c.new_token_ids)
+            kinds["prefill_token_ids"] += sum(r.prefill_token_ids is not None for r in sent.scheduled_new_reqs)
+            kinds["v2_resumed"] += sum(r.req_id in known for r in sent.scheduled_new_reqs)
+            kinds["all_token_ids"] += len(c.all_token_ids)
+            kinds["num_output_tokens"] += sum(n > 0 for n in c.num_output_tokens or ())
+            kinds["finished_never_held"] += len(sent.finished_req_ids - set(known))
             pad_to = sched.pad_to(out)
             for pool, o in ((direct, out), (converted, back)):
                 pool.apply(o)
@@ -185,6 +208,35 @@ def test_every_kind_of_step_converts_and_runs_through_spec_identically() -> None
             sched.update(out, kept)
             assert direct.snapshot() == converted.snapshot()
     assert all(kinds.values()), kinds
+
+
+@pytest.mark.parametrize(
+    ("draw", "field_name"),
+    [
+        ("encoder_decoder", "encoder_len"),
+        ("multimodal", "mrope_positions"),
+        ("async_scheduling", "config.async_scheduling"),
+    ],
+)
+def test_what_vllms_output_cannot_carry_is_refused_by_as_vllm(draw: str, field_name: str) -> None:
+    """Encoder inputs and M-RoPE tables are not in vLLM's scheduler output; its async form sends placeholders."""
+    scenario = random_scenario(2, **{draw: True})  # seed 2 draws each of them
+    sched = ReferenceScheduler(scenario.config, scenario.workload, scenario.knobs, scenario.seed)
+    with pytest.raises(VllmFormError) as caught:
+        while not sched.done():
+            out = sched.schedule()
+            as_vllm(out, sched)
+            sched.update(out, {r: 1 for r in sched.sampling_req_ids(out)})
+    assert caught.value.field == field_name
+
+
+def test_as_vllm_reads_only_the_output_being_executed() -> None:
+    _, sched = _stress(0)
+    out = sched.schedule()
+    sched.update(out, {r: 1 for r in sched.sampling_req_ids(out)})
+    with pytest.raises(VllmFormError) as caught:
+        as_vllm(out, sched)  # after update: the scheduler's step state belongs to the next output
+    assert caught.value.field == "out"
 
 
 def _minimal(**changes: object) -> VllmOutput:
@@ -333,6 +385,11 @@ def test_blocks_to_zero_and_common_prefix_counts_must_be_well_formed() -> None:
     assert from_vllm(_minimal(new_block_ids_to_zero=[5, 6], num_common_prefix_blocks=[0])).new_requests
     _refused(_minimal(new_block_ids_to_zero=[0]), None, "new_block_ids_to_zero")
     _refused(_minimal(num_common_prefix_blocks=[-1]), None, "num_common_prefix_blocks")
+
+
+def test_an_empty_draft_list_reads_as_no_drafts() -> None:
+    """vLLM lists drafting requests only (as conformance.scheduler.as_vllm does); an empty list is no drafts."""
+    assert from_vllm(_minimal(scheduled_spec_decode_tokens={"c": [], "n": []})) == from_vllm(_minimal())
 
 
 def test_placeholder_drafts_and_encoder_inputs_are_refused() -> None:

@@ -17,10 +17,9 @@ import torch
 
 import spec
 from conformance.scenario import Scenario, random_scenario
-from conformance.scheduler import ReferenceScheduler
+from conformance.scheduler import ReferenceScheduler, as_vllm
 from conformance.shadow import ShadowChecker, ShadowMismatchError, replay
 from spec.drafts import pad_accepted
-from spec.interop import VllmCachedRequestData, VllmNewRequestData, VllmSchedulerOutput
 from spec.types import SchedulerOutput, WorkerConfig
 from tests.test_shadow import run_script
 
@@ -117,34 +116,6 @@ class VllmLayoutEngine:
     def record(self, kept: dict[str, tuple[int, ...]], drafts: dict[str, tuple[int, ...]]) -> None:
         self.rejected += sum(len(kept[r]) < 1 + len(drafts[r]) for r in kept if r in drafts)
         self.pool.record_sampled(self.batch, pad_accepted([list(kept.get(r, ())) for r in self.batch.req_ids]))
-
-
-def as_vllm(out: SchedulerOutput, sched: ReferenceScheduler) -> VllmSchedulerOutput:
-    """The reference scheduler's output as vLLM 0.32 sends it, drafts and output counts included."""
-    cached = out.cached_requests
-    return VllmSchedulerOutput(
-        scheduled_new_reqs=[
-            VllmNewRequestData(
-                r.req_id, list(r.prompt_token_ids), tuple(list(g) for g in r.block_ids), r.num_computed_tokens
-            )
-            for r in out.new_requests
-        ],
-        scheduled_cached_reqs=VllmCachedRequestData(
-            req_ids=[r.req_id for r in cached],
-            resumed_req_ids={r.req_id for r in cached if r.resumed},
-            new_block_ids=[
-                None if r.new_block_ids is None else tuple(list(g) for g in r.new_block_ids) for r in cached
-            ],
-            num_computed_tokens=[r.num_computed_tokens for r in cached],
-            all_token_ids={r.req_id: list(sched.requests[r.req_id].tokens) for r in cached if r.resumed},
-            num_output_tokens=[sched.requests[r.req_id].num_output for r in cached],
-        ),
-        num_scheduled_tokens=dict(out.num_scheduled_tokens),
-        scheduled_spec_decode_tokens={r: list(t) for r, t in out.scheduled_spec_decode_tokens.items()},
-        finished_req_ids=set(out.finished_req_ids),
-        preempted_req_ids=set(),
-        total_num_scheduled_tokens=out.total_num_scheduled_tokens,
-    )
 
 
 def _sampled_form(step: int, kept: dict[str, tuple[int, ...]], order: list[str]) -> object:
