@@ -70,6 +70,7 @@ class RequestStatePool:
         self.dev = DeviceState(config, self.device, mirror=self.state if self.host_mode else None)
         self.released = ReleasedTails(config)  # the validator's per-row cache of released entries
         self.mrope = DeviceMRope(config, self.device, self.host_mode) if config.uses_mrope else None
+        self._cross_group = cross_group(config)  # the encoder-decoder's cross group, or None
         self._host_batch = HostBatch()  # host mode: the buffers and tensors batches are handed out in
         self._applied: SchedulerOutput | None = None
         self._plan: StepPlan | None = None  # the applied output as validated: all prepare reads of it
@@ -152,8 +153,8 @@ class RequestStatePool:
             drafts = batch_drafts(plan.num_drafts, plan.draft_ids, order)  # [num_reqs], [num_drafts] batch order
             sampler = draft_logits(np.concatenate([[0], cu_num_tokens]), *drafts)
             batch = dataclasses.replace(batch, **sampler_tensors(sampler, self.device))
-        if (cross := cross_group(self.config)) is not None:  # encoder-decoder: fast/cross_attention.py
-            batch = with_cross_inputs(batch, self.state, cross, index_mapping, self.device)
+        if self._cross_group is not None:  # encoder-decoder: fast/cross_attention.py
+            batch = with_cross_inputs(batch, self.state, self._cross_group, index_mapping, self.device)
         if plan.mamba is not None:  # hybrid models: the mamba groups' state indices (fast/mamba.py)
             counts = drafts[0] if drafts is not None else np.zeros(len(req_ids), np.int64)
             with interpret(self._interpret):

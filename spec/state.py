@@ -122,8 +122,9 @@ class PoolState:
             if writes.rows.size:
                 self.write_table(g, writes)
         self.num_computed_tokens[plan.rows] = plan.num_computed
-        seq_lens = plan.num_computed + plan.num_scheduled
-        self.mamba_rows.commit(freed, plan.new_rows, plan.prompt_lens, plan.rows, seq_lens, plan.num_drafts)
+        if plan.mamba is not None:  # a model with a mamba group: every plan of it reads states (spec/mamba.py)
+            seq_lens = plan.num_computed + plan.num_scheduled
+            self.mamba_rows.commit(freed, plan.new_rows, plan.prompt_lens, plan.rows, seq_lens, plan.num_drafts)
         if self.config.async_scheduling:
             self.num_unverified_drafts[:] = 0  # the step after this one is scheduled knowing the verdicts
 
