@@ -4,13 +4,15 @@ Active only where asked: this project's pyproject.toml loads it (`addopts = "-p 
 another project that wants to run the suite against its backend passes `-p conformance.pytest_plugin`
 itself. slotmap registers no pytest entry point, so installing it adds nothing to unrelated test runs.
 
-Also `--conformance-scale` (multiplies the differential suite's per-backend example budgets) and a
-terminal summary of how many scheduler steps and requests the differential suite compared.
+Also `--conformance-scale` (multiplies the differential suite's per-backend example budgets), the
+`one_torch_thread` fixture, and a terminal summary of how many scheduler steps and requests the
+differential suite compared.
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -69,6 +71,15 @@ def _default_backends() -> list[str]:
 @pytest.fixture(scope="session")
 def backend(request: pytest.FixtureRequest) -> BackendHandle:
     return load_backend(request.param)
+
+
+@pytest.fixture
+def one_torch_thread() -> Iterator[None]:
+    """One intra-op torch thread for the test (`pytestmark = pytest.mark.usefixtures("one_torch_thread")`)."""
+    from conformance.differential import one_torch_thread as one_thread  # lazily: the plugin loads before torch
+
+    with one_thread():
+        yield
 
 
 @pytest.fixture(scope="session")

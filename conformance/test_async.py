@@ -14,7 +14,7 @@ import pytest
 from hypothesis import settings
 
 from conformance.backends import BackendHandle
-from conformance.differential import DifferentialRun, budget_for, drive, one_torch_thread
+from conformance.differential import DifferentialRun, budget_for, drive
 from conformance.scenario import random_scenario
 from spec import (
     BlockIdError,
@@ -32,10 +32,7 @@ CONFIG = WorkerConfig(4, 64, 32, 100, (KVCacheGroup(16, 64),), async_scheduling=
 PROMPT = (10, 11, 12, 13, 14)
 
 
-@pytest.fixture(autouse=True)
-def _single_thread() -> object:
-    with one_torch_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conformance/pytest_plugin.py
 
 
 def _ids(backend: BackendHandle, ids: list[int] | list[list[int]]) -> object:

@@ -15,17 +15,13 @@ from hypothesis import HealthCheck, given, note, settings
 
 import spec
 from conformance.backends import BackendHandle, load_backend
-from conformance.differential import DifferentialRun, MismatchError, budget_for, drive, one_torch_thread
+from conformance.differential import DifferentialRun, MismatchError, budget_for, drive
 from conformance.scenario import Scenario, random_scenario
 from conformance.scheduler import SchedulerKnobs, make_workload
 from conformance.strategies import scenarios
 from spec.types import BatchInputs, KVCacheGroup, SchedulerOutput, WorkerConfig
 
-
-@pytest.fixture(autouse=True)
-def _single_thread() -> object:
-    with one_torch_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conformance/pytest_plugin.py
 
 
 def test_backends_agree_on_every_step(backend: BackendHandle, conformance_scale: float) -> None:

@@ -24,18 +24,13 @@ import spec
 import spec.interop
 from conformance.backends import INTEROP_FUNCTIONS, BackendHandle
 from conformance.compare import array_difference
-from conformance.differential import one_torch_thread
 from conformance.scenario import AttentionSpec, Scenario, random_scenario
 from conformance.scheduler import ReferenceScheduler, SchedulerKnobs, SchedulerStats, make_workload
 from conformance.tolerance import assert_attention_close, spec_in_dtype
 from spec.interop import V2RowPolicy, host_counts
 from spec.types import BatchInputs, KVCacheGroup, SchedulerOutput, WorkerConfig
 
-
-@pytest.fixture(autouse=True)
-def _single_thread() -> Iterator[None]:
-    with one_torch_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conformance/pytest_plugin.py
 
 
 def interop_of(handle: BackendHandle) -> Any:

@@ -17,7 +17,7 @@ import pytest
 import spec
 from conformance.backends import BackendHandle
 from conformance.compare import batch_differences
-from conformance.differential import DifferentialRun, drive, one_torch_thread
+from conformance.differential import DifferentialRun, drive
 from conformance.scenario import random_scenario
 from conformance.scheduler import ReferenceScheduler, SchedulerKnobs, make_workload
 from spec.drafts import pad_accepted
@@ -39,10 +39,7 @@ CONFIG = WorkerConfig(
 PROMPT = tuple(range(1, 11))
 
 
-@pytest.fixture(autouse=True)
-def _single_thread() -> object:
-    with one_torch_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conformance/pytest_plugin.py
 
 
 def _step(pool: StatePool, handle: BackendHandle, out: SchedulerOutput, sampled: list[Any]) -> dict[str, Any]:

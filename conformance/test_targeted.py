@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from conformance.backends import BackendHandle
-from conformance.differential import one_torch_thread
 from conformance.driving import step
 from spec import (
     PAD_SLOT_ID,
@@ -22,11 +21,7 @@ from spec import (
     WorkerConfig,
 )
 
-
-@pytest.fixture(autouse=True)
-def _single_thread() -> object:
-    with one_torch_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conformance/pytest_plugin.py
 
 
 def _config(block_size: int = 4, num_blocks: int = 16, max_model_len: int = 16) -> WorkerConfig:

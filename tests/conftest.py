@@ -1,5 +1,5 @@
-"""Fixtures the tests share: `mode` runs a test once in each of fast's CPU modes; `one_torch_thread` keeps
-a test on one intra-op thread (the tiny model's: more only spin against other work on a shared CI machine)."""
+"""Fixtures the tests share: `mode` runs a test once in each of fast's CPU modes. (`one_torch_thread`, which keeps
+a test on one intra-op thread, comes from conformance/pytest_plugin.py, loaded for every test run here.)"""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ from collections.abc import Iterator
 
 import pytest
 
-from conformance.differential import one_torch_thread as _one_thread
 from fast.runtime import HAVE_TRITON, interpret
 
 
@@ -18,9 +17,3 @@ def mode(request: pytest.FixtureRequest) -> Iterator[str]:
         pytest.skip("Triton is not installed on this platform")
     with interpret(request.param == "interpret"):
         yield request.param
-
-
-@pytest.fixture
-def one_torch_thread() -> Iterator[None]:
-    with _one_thread():
-        yield

@@ -22,7 +22,7 @@ MODEL = ModelConfig(vocab_size=2048, hidden_size=32, intermediate_size=64, head_
 A_PROMPT, B_PROMPT = (7, 300, 1999, 42, 5, 5, 810, 64, 11, 12), (901, 902, 903)
 
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conformance/pytest_plugin.py
 
 
 def hand_steps() -> list[SchedulerOutput]:

@@ -21,7 +21,7 @@ from slotmap.tiny.engine import Engine, RequestRecord, drive
 from slotmap.tiny.model import ModelConfig
 from spec.types import BatchInputs, KVCacheGroup, SchedulerOutput, WorkerConfig
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conformance/pytest_plugin.py
 
 
 CONFIG = WorkerConfig(4, 48, 16, 512, (KVCacheGroup(4, 48),), uses_mrope=True)
