@@ -6,6 +6,7 @@ never from the code under test.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -244,19 +245,26 @@ def _dense_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndar
     return out
 
 
-def test_write_kv_then_paged_attention_matches_dense_attention(backend: BackendHandle) -> None:
-    """A prefill chunk and a decode in one batch, GQA 4:2, every key written through slot mappings."""
+def _attention_after_writes_matches_dense(
+    backend: BackendHandle,
+    seed: int,
+    key_gain: float,
+    empty_cache: np.ndarray,  # [16, 4, 2, 8] each cache before any write: NaN (or its code), so a stray read shows
+    scale_args: dict[str, Any],  # write_kv's and paged_attention's cache format and scales
+    stored: Callable[[np.ndarray, str], np.ndarray],  # (x, "k" or "v") -> what the cache holds for x, float64
+) -> None:
+    """A prefill chunk and a decode in one batch, GQA 4:2, every key written through slot mappings: attention
+    over the caches equals dense attention over what they hold, by the tolerance rule."""
     heads, kv_heads, dim, bs = 4, 2, 8, 4
     config = WorkerConfig(2, 32, 64, 100, (KVCacheGroup(bs, 16),))
     pool = backend.make_pool(config)
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(seed)
     seqs = {"d": 9, "p": 7}  # d: 9 tokens known; p: a 7-token prompt
     news = (NewRequest("d", tuple(range(9)), ((3, 11, 6),)), NewRequest("p", tuple(range(7)), ((8, 2),)))
-    keys = {r: rng.standard_normal((n, kv_heads, dim)).astype(np.float32) for r, n in seqs.items()}
+    keys = {r: rng.standard_normal((n, kv_heads, dim)).astype(np.float32) * key_gain for r, n in seqs.items()}
     values = {r: rng.standard_normal((n, kv_heads, dim)).astype(np.float32) for r, n in seqs.items()}
     queries = {r: rng.standard_normal((n, heads, dim)).astype(np.float32) for r, n in seqs.items()}
-    k_cache = backend.asarray(np.full((16, bs, kv_heads, dim), np.nan, np.float32))  # NaN: any stray read shows
-    v_cache = backend.asarray(np.full((16, bs, kv_heads, dim), np.nan, np.float32))
+    k_cache, v_cache = backend.asarray(empty_cache.copy()), backend.asarray(empty_cache.copy())
 
     def forward(batch: dict, starts: dict[str, int]) -> np.ndarray:
         tok = {r: slice(starts[r], starts[r] + int(n)) for r, n in zip(batch["req_ids"], batch["num_scheduled_tokens"],
@@ -266,10 +274,11 @@ def test_write_kv_then_paged_attention_matches_dense_attention(backend: BackendH
         v = np.concatenate([values[r][tok[r]] for r in order])
         q = np.concatenate([queries[r][tok[r]] for r in order])
         backend.module.write_kv(k_cache, v_cache, backend.asarray(k), backend.asarray(v),
-                                backend.asarray(batch["slot_mappings"][0]))
+                                backend.asarray(batch["slot_mappings"][0]), **scale_args)
         return backend.to_numpy(backend.module.paged_attention(
             backend.asarray(q), k_cache, v_cache, backend.asarray(batch["block_tables"][0]),
-            backend.asarray(batch["seq_lens"]), backend.asarray(batch["query_start_loc"]), scale=dim**-0.5))
+            backend.asarray(batch["seq_lens"]), backend.asarray(batch["query_start_loc"]), scale=dim**-0.5,
+            **scale_args))
 
     # step 1: all of p, the first 8 of d; step 2: d's last token (a decode) and nothing else
     b1 = step(backend, pool, SchedulerOutput(new_requests=news, num_scheduled_tokens={"d": 8, "p": 7}))
@@ -278,10 +287,8 @@ def test_write_kv_then_paged_attention_matches_dense_attention(backend: BackendH
     out2 = forward(b2, {"d": 8})
 
     def dense(r: str, n: int, dtype: type[np.floating]) -> np.ndarray:
-        q: np.ndarray = queries[r].astype(dtype)
-        k: np.ndarray = keys[r].astype(dtype)
-        v: np.ndarray = values[r].astype(dtype)
-        return _dense_attention(q, k, v, np.arange(n), float(dtype(dim**-0.5)))
+        k, v = stored(keys[r], "k").astype(dtype), stored(values[r], "v").astype(dtype)
+        return _dense_attention(queries[r].astype(dtype), k, v, np.arange(n), float(dtype(dim**-0.5)))
 
     assert b1["req_ids"] == ("p", "d")
     exp_p, low_p = dense("p", 7, np.float64), dense("p", 7, np.float32)
@@ -289,6 +296,11 @@ def test_write_kv_then_paged_attention_matches_dense_attention(backend: BackendH
     assert_attention_close(out1[:7], exp_p, low_p, np.float32)
     assert_attention_close(out1[7:15], exp_d[:8], low_d[:8], np.float32)
     assert_attention_close(out2[:1], exp_d[8:], low_d[8:], np.float32)
+
+
+def test_write_kv_then_paged_attention_matches_dense_attention(backend: BackendHandle) -> None:
+    empty = np.full((16, 4, 2, 8), np.nan, np.float32)
+    _attention_after_writes_matches_dense(backend, 0, 1.0, empty, {}, lambda x, _: x.astype(np.float64))
 
 
 def _fp8_stored(x: np.ndarray, scales: np.ndarray, kv_cache_dtype: str) -> np.ndarray:
@@ -308,15 +320,6 @@ def test_fp8_write_kv_then_paged_attention_matches_dense_attention(
 ) -> None:
     """As above, into fp8 caches of uint8 codes (NaN codes where nothing was written): attention equals dense
     attention over the values the codes stand for (decode(code) * the KV head's scale), by the tolerance rule."""
-    heads, kv_heads, dim, bs = 4, 2, 8, 4
-    config = WorkerConfig(2, 32, 64, 100, (KVCacheGroup(bs, 16),))
-    pool = backend.make_pool(config)
-    rng = np.random.default_rng(1)
-    seqs = {"d": 9, "p": 7}
-    news = (NewRequest("d", tuple(range(9)), ((3, 11, 6),)), NewRequest("p", tuple(range(7)), ((8, 2),)))
-    keys = {r: rng.standard_normal((n, kv_heads, dim)).astype(np.float32) * 3 for r, n in seqs.items()}
-    values = {r: rng.standard_normal((n, kv_heads, dim)).astype(np.float32) for r, n in seqs.items()}
-    queries = {r: rng.standard_normal((n, heads, dim)).astype(np.float32) for r, n in seqs.items()}
     k_scales = np.array([0.006, 0.7] if per_head else [0.3, 0.3], np.float32)  # 0.006 saturates e4m3 keys
     v_scales = np.array([1.9, 0.05] if per_head else [0.05, 0.05], np.float32)
     scale_args: dict[str, Any] = {
@@ -324,39 +327,13 @@ def test_fp8_write_kv_then_paged_attention_matches_dense_attention(
         "k_scale": backend.asarray(k_scales) if per_head else float(k_scales[0]),
         "v_scale": backend.asarray(v_scales) if per_head else float(v_scales[0]),
     }
-    k_cache = backend.asarray(np.full((16, bs, kv_heads, dim), 0x7F, np.uint8))  # the NaN code of both formats
-    v_cache = backend.asarray(np.full((16, bs, kv_heads, dim), 0x7F, np.uint8))
+    empty = np.full((16, 4, 2, 8), 0x7F, np.uint8)  # the NaN code of both formats
+    scales = {"k": k_scales, "v": v_scales}
 
-    def forward(batch: dict, starts: dict[str, int]) -> np.ndarray:
-        tok = {r: slice(starts[r], starts[r] + int(n)) for r, n in zip(batch["req_ids"], batch["num_scheduled_tokens"],
-                                                                       strict=True)}
-        order = batch["req_ids"]
-        k = np.concatenate([keys[r][tok[r]] for r in order])
-        v = np.concatenate([values[r][tok[r]] for r in order])
-        q = np.concatenate([queries[r][tok[r]] for r in order])
-        backend.module.write_kv(k_cache, v_cache, backend.asarray(k), backend.asarray(v),
-                                backend.asarray(batch["slot_mappings"][0]), **scale_args)
-        return backend.to_numpy(backend.module.paged_attention(
-            backend.asarray(q), k_cache, v_cache, backend.asarray(batch["block_tables"][0]),
-            backend.asarray(batch["seq_lens"]), backend.asarray(batch["query_start_loc"]), scale=dim**-0.5,
-            **scale_args))
+    def stored(x: np.ndarray, kv: str) -> np.ndarray:
+        return _fp8_stored(x, scales[kv], kv_cache_dtype)
 
-    b1 = step(backend, pool, SchedulerOutput(new_requests=news, num_scheduled_tokens={"d": 8, "p": 7}))
-    out1 = forward(b1, {"d": 0, "p": 0})
-    b2 = step(backend, pool, SchedulerOutput(cached_requests=(CachedRequest("d", 8),), num_scheduled_tokens={"d": 1}))
-    out2 = forward(b2, {"d": 8})
-
-    def dense(r: str, n: int, dtype: type[np.floating]) -> np.ndarray:
-        k = _fp8_stored(keys[r], k_scales, kv_cache_dtype).astype(dtype)
-        v = _fp8_stored(values[r], v_scales, kv_cache_dtype).astype(dtype)
-        return _dense_attention(queries[r].astype(dtype), k, v, np.arange(n), float(dtype(dim**-0.5)))
-
-    assert b1["req_ids"] == ("p", "d")
-    exp_p, low_p = dense("p", 7, np.float64), dense("p", 7, np.float32)
-    exp_d, low_d = dense("d", 9, np.float64), dense("d", 9, np.float32)
-    assert_attention_close(out1[:7], exp_p, low_p, np.float32)
-    assert_attention_close(out1[7:15], exp_d[:8], low_d[:8], np.float32)
-    assert_attention_close(out2[:1], exp_d[8:], low_d[8:], np.float32)
+    _attention_after_writes_matches_dense(backend, 1, 3.0, empty, scale_args, stored)
 
 
 @pytest.mark.parametrize("pad_to", [None, 80])
