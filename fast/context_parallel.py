@@ -13,6 +13,7 @@ import torch
 
 from fast.attention import check_attention_tensors
 from fast.runtime import use_triton
+from spec import context_parallel as spec_cp
 from spec.attention import check_attention_inputs
 from spec.context_parallel import (
     ContextParallel,
@@ -35,18 +36,8 @@ __all__ = [
 
 
 def rank_inputs(batch: BatchInputs, config: WorkerConfig, cp: ContextParallel) -> RankInputs:
-    """Rank `cp.rank`'s slots and lengths for a batch prepared by the (rank-agnostic) pool."""
-    cp.check_config(config)
-    slots, lens = [], []
-    for g in range(len(config.kv_groups)):
-        if cp.is_sharded(g):
-            bs = cp.block_size(config, g)
-            slots.append(cp_slot_mapping(batch.positions, batch.query_start_loc, batch.block_tables[g], bs, cp))
-            lens.append(local_seq_lens(batch.seq_lens, cp))
-        else:
-            slots.append(batch.slot_mappings[g])
-            lens.append(batch.seq_lens)
-    return RankInputs(tuple(slots), tuple(lens), tuple(cp.block_size(config, g) for g in range(len(slots))))
+    """Rank `cp.rank`'s slots and lengths for a batch prepared by the (rank-agnostic) pool: spec's, on tensors."""
+    return spec_cp.rank_inputs(batch, config, cp, cp_slot_mapping, local_seq_lens)
 
 
 def cp_slot_mapping(

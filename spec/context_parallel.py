@@ -27,6 +27,7 @@ Numerics: as spec.attention, computed in the dtype of the inputs; the LSE has th
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,15 +108,22 @@ class RankInputs:
     block_sizes: tuple[int, ...]  # per group: tokens per physical block of this rank's cache
 
 
-def rank_inputs(batch: BatchInputs, config: WorkerConfig, cp: ContextParallel) -> RankInputs:
+def rank_inputs(
+    batch: BatchInputs,
+    config: WorkerConfig,
+    cp: ContextParallel,
+    slot_mapping: Callable[..., Any] | None = None,  # a backend's cp_slot_mapping for its arrays; None: this one
+    seq_lens: Callable[..., Any] | None = None,  # a backend's local_seq_lens; None: this one
+) -> RankInputs:
     """Rank `cp.rank`'s slots and lengths for a batch prepared by the (rank-agnostic) pool."""
     cp.check_config(config)
+    slot_mapping, seq_lens = slot_mapping or cp_slot_mapping, seq_lens or local_seq_lens
     slots, lens = [], []
     for g in range(len(config.kv_groups)):
         if cp.is_sharded(g):
             bs = cp.block_size(config, g)
-            slots.append(cp_slot_mapping(batch.positions, batch.query_start_loc, batch.block_tables[g], bs, cp))
-            lens.append(local_seq_lens(batch.seq_lens, cp))
+            slots.append(slot_mapping(batch.positions, batch.query_start_loc, batch.block_tables[g], bs, cp))
+            lens.append(seq_lens(batch.seq_lens, cp))
         else:
             slots.append(batch.slot_mappings[g])
             lens.append(batch.seq_lens)
