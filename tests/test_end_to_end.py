@@ -8,7 +8,6 @@ densely in float64 over the request's whole sequence (prompt + generated), with 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -23,12 +22,12 @@ from slotmap.cli import app
 from slotmap.simulate.dense_check import check_request
 from slotmap.simulate.speculative import SpeculativeComparison, compare, plain_greedy_run, prefix_check
 from slotmap.simulate.verify import SpecVerifier
-from slotmap.tiny.drafting import NgramDrafter
+from slotmap.tiny.drafting import NgramDrafter, NoisyOracle
 from slotmap.tiny.engine import Engine, RequestRecord, drive
 from slotmap.tiny.model import ModelConfig
 from spec.types import BatchInputs, CachedRequest, KVCacheGroup, NewRequest, SchedulerOutput, WorkerConfig
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conformance/pytest_plugin.py
 
 
 GROUPS = (KVCacheGroup(block_size=4, num_blocks=64), KVCacheGroup(block_size=4, num_blocks=64, sliding_window=5))
@@ -186,19 +185,6 @@ def test_verifier_names_the_batch_field_that_differs_from_spec() -> None:
     assert first.startswith("step 1: BatchInputs differs from spec's: input_ids: ") and "entries differ" in first
 
 
-class _NoisyOracle:
-    """A drafter that is sometimes right: the plain run's next tokens, each replaced by another with chance 1/3."""
-
-    def __init__(self, plain: dict[str, RequestRecord], seed: int) -> None:
-        self.plain = [r.tokens for r in plain.values()]
-        self.rng = np.random.default_rng(seed)
-
-    def propose(self, tokens: Sequence[int], room: int) -> list[int]:
-        ahead = next(p[len(tokens) :] for p in self.plain if p[: len(tokens)] == list(tokens))
-        drafts = list(ahead[: min(3, room)])
-        return [t if self.rng.random() < 2 / 3 else (t + 1) % SCHED_CONFIG.vocab_size for t in drafts]
-
-
 @pytest.mark.not_on_backends("fast-interpret", reason="interpreter: the conformance suite drives its drafts")
 @pytest.mark.parametrize("drafter", ["noisy oracle", "n-gram"])
 def test_speculative_decoding_generates_the_plain_greedy_tokens(backend: BackendHandle, drafter: str) -> None:
@@ -212,7 +198,8 @@ def test_speculative_decoding_generates_the_plain_greedy_tokens(backend: Backend
     plain, plain_steps = plain_greedy_run(backend, SCHED_CONFIG, workload, SCHED_KNOBS, 0, SCHED_MODEL)
 
     knobs = dataclasses.replace(SCHED_KNOBS, spec_tokens=3)
-    proposer = _NoisyOracle(plain, seed=1) if drafter == "noisy oracle" else NgramDrafter(3)
+    oracle = NoisyOracle((r.tokens for r in plain.values()), 3, SCHED_CONFIG.vocab_size, seed=1)
+    proposer = oracle if drafter == "noisy oracle" else NgramDrafter(3)
     scheduler = ReferenceScheduler(SCHED_CONFIG, workload, knobs=knobs, seed=0, proposer=proposer)
     engine = Engine(backend, SCHED_CONFIG, SCHED_MODEL)
     comparison = SpeculativeComparison(spec_tokens=3)

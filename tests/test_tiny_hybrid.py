@@ -6,15 +6,15 @@ in a row a finished request left, vLLM PR #37728), after a preemption, after acc
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
-import numpy as np
 import pytest
 
 from conformance.backends import BackendHandle, load_backend
 from conformance.scheduler import ReferenceScheduler, SchedulerKnobs, make_workload
 from conformance.scheduler.drafter import Proposer
 from slotmap.simulate.dense_check import check_request
+from slotmap.tiny.drafting import NoisyOracle
 from slotmap.tiny.engine import Engine, RequestRecord, drive
 from slotmap.tiny.model import ModelConfig
 from spec.types import (
@@ -33,7 +33,7 @@ MODEL = ModelConfig(vocab_size=2048, hidden_size=32, intermediate_size=64, head_
 A_PROMPT, B_PROMPT, C_PROMPT = (7, 300, 1999, 42, 5, 5, 810, 64, 11, 12), (901, 902, 903), (3, 1, 4, 1, 5)
 
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conformance/pytest_plugin.py
 
 
 def hand_steps() -> list[SchedulerOutput]:
@@ -120,18 +120,6 @@ def test_the_dense_check_catches_a_state_written_to_the_wrong_block() -> None:
     assert not check_request(engine.model, _run(engine, edit)["a"]).ok
 
 
-class _NoisyOracle:
-    """Drafts that are sometimes right: the plain run's next tokens, each replaced by another with chance 1/3."""
-
-    def __init__(self, plain: dict[str, RequestRecord], seed: int) -> None:
-        self.plain = [r.tokens for r in plain.values()]
-        self.rng = np.random.default_rng(seed)
-
-    def propose(self, tokens: Sequence[int], room: int) -> list[int]:
-        ahead = next(p[len(tokens) :] for p in self.plain if p[: len(tokens)] == list(tokens))
-        return [t if self.rng.random() < 2 / 3 else (t + 1) % CONFIG.vocab_size for t in ahead[: min(2, room)]]
-
-
 def _scheduler_run(
     backend: BackendHandle, knobs: SchedulerKnobs, proposer: Proposer | None = None
 ) -> tuple[ReferenceScheduler, dict[str, RequestRecord]]:
@@ -165,7 +153,8 @@ def test_reference_scheduler_hybrid_run_with_prefix_caching_matches_dense(backen
 def test_reference_scheduler_hybrid_run_with_drafts_matches_dense(backend: BackendHandle) -> None:
     """Drafts whose states go to the speculative blocks; the next step reads the state of the last accepted one."""
     _, plain = _scheduler_run(backend, SchedulerKnobs(max_chunk=8))
-    scheduler, drafted = _scheduler_run(backend, SchedulerKnobs(max_chunk=8, spec_tokens=2), _NoisyOracle(plain, 1))
+    oracle = NoisyOracle((r.tokens for r in plain.values()), 2, CONFIG.vocab_size, seed=1)
+    scheduler, drafted = _scheduler_run(backend, SchedulerKnobs(max_chunk=8, spec_tokens=2), oracle)
     assert {r: d.tokens for r, d in drafted.items()} == {r: p.tokens for r, p in plain.items()}
     stats = scheduler.stats
     assert 0 < stats.drafts_accepted < stats.drafts_scheduled and stats.no_draft_accepted > 0

@@ -1,4 +1,4 @@
-"""Speculative decoding for the tiny decoder: an n-gram drafter and greedy verification.
+"""Speculative decoding for the tiny decoder: an n-gram drafter, an oracle of known accuracy, greedy verification.
 
 The drafter looks up the request's last n tokens earlier in its own sequence and proposes what followed
 them there (vLLM's n-gram proposer does the same). Greedy verification keeps a draft while it equals the
@@ -9,7 +9,7 @@ the drafts, and only takes fewer steps when they are right.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -32,6 +32,20 @@ class NgramDrafter:
                 if list(tokens[start : start + n]) == suffix:
                     return list(tokens[start + n : start + n + k])
         return []
+
+
+class NoisyOracle:
+    """A drafter that is sometimes right: a plain run's next tokens, each replaced by another with chance 1/3."""
+
+    def __init__(self, plain: Iterable[Sequence[int]], max_drafts: int, vocab_size: int, seed: int) -> None:
+        self.plain = [list(tokens) for tokens in plain]  # each request's tokens in the plain run
+        self.max_drafts, self.vocab_size = max_drafts, vocab_size
+        self.rng = np.random.default_rng(seed)
+
+    def propose(self, tokens: Sequence[int], room: int) -> list[int]:
+        ahead = next(p[len(tokens) :] for p in self.plain if p[: len(tokens)] == list(tokens))
+        drafts = ahead[: min(self.max_drafts, room)]
+        return [t if self.rng.random() < 2 / 3 else (t + 1) % self.vocab_size for t in drafts]
 
 
 def greedy_verify(
