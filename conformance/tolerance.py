@@ -51,8 +51,6 @@ from spec.fp8 import Fp8Format, decode
 # 9.6e-7 against a bound of 7.0e-7 (float32, 125 keys, spec in float32 1.1e-7; the differential suite found it).
 FLOOR_EPS = 8
 
-LOW_PRECISION = ("float16", "bfloat16", "float32")
-
 
 def dtype_name(dtype: Any) -> str:
     """'float16', 'bfloat16', 'float32' or 'float64' for a torch dtype, NumPy dtype or name."""
