@@ -171,6 +171,12 @@ def _one_token_scheduled(config: WorkerConfig, rows: Mapping[str, RowSnapshot], 
     return 1 in out.num_scheduled_tokens.values()
 
 
+def _step_to_max_model_len(config: WorkerConfig, rows: Mapping[str, RowSnapshot], out: SchedulerOutput) -> bool:
+    """A step whose last scheduled position is max_model_len - 1 (knob drafts_to_the_end: its last are drafts)."""
+    computed = _computed(out)
+    return any(computed[r] + n == config.max_model_len for r, n in out.num_scheduled_tokens.items())
+
+
 def _finished_and_new(config: WorkerConfig, rows: Mapping[str, RowSnapshot], out: SchedulerOutput) -> bool:
     return bool(out.finished_req_ids) and bool(out.new_requests)
 
@@ -238,6 +244,7 @@ VALID_EDGES: dict[str, Edge] = {
     "a block another request holds, written": _shared_block_written,
     "a resumed request starting from 0": _resumed_from_zero,
     "a request scheduled for one token": _one_token_scheduled,
+    "a step ending at max_model_len": _step_to_max_model_len,
     "finished and new requests in one step": _finished_and_new,
     "a new request with an M-RoPE table": _new_multimodal_request,
     "an encoder_len of max_encoder_len": _encoder_len_at_max,
@@ -371,11 +378,12 @@ RULES: tuple[Rule, ...] = (
          EVERY_STEP, GENERATED, (DRAFT_FAULTS,)),
     Rule(V, "plan_step", '"scheduled_spec_decode_tokens", f"{bad[0]}', "draft ids in the vocabulary",
          "a draft id is vocab_size - 1", GENERATED, (DRAFT_FAULTS,)),
-    # the scheduler, as vLLM's, leaves room for a sample, so its valid side at max_model_len is built by hand
+    # a prompt of max_model_len tokens leaves no room for its sample: no scheduler sends one, so that valid side
+    # is built by hand; a step may end at max_model_len when its last tokens are drafts (knob drafts_to_the_end)
     Rule(V, "plan_step", "len(new.prompt_token_ids)", "a prompt fits max_model_len",
          AT_MAX_MODEL_LEN, GENERATED, (EVERY_CLASS,)),
     Rule(V, "plan_step", "> max_model_len", "a step ends at or before max_model_len",
-         AT_MAX_MODEL_LEN, GENERATED, (EVERY_CLASS,)),
+         "a step ending at max_model_len", GENERATED, (EVERY_CLASS, AT_MAX_MODEL_LEN)),
     Rule(V, "plan_step", 'UnknownTokenError(s.req_id, "num_scheduled_tokens"', "every input token is known",
          "a step ending at the last known token (+ k drafts)", GENERATED, (EVERY_CLASS,)),
     Rule(V, "plan_step", 'UnknownTokenError(s.req_id, "scheduled_spec_decode_tokens"',
@@ -453,9 +461,9 @@ RULES: tuple[Rule, ...] = (
          "a sampled id vocab_size - 1", GENERATED,
          (SAMPLED, "conformance/test_boundaries.py::test_a_negative_id_in_the_one_id_per_row_form_is_refused")),
     Rule(D, "check_accepted", "no room past max_model_len", "kept tokens fit max_model_len",
-         "kept tokens reaching max_model_len",
-         "conformance/test_drafts.py::test_accepted_tokens_past_max_model_len_are_rejected",
-         ("conformance/test_errors.py::test_sampled_token_past_max_model_len_is_rejected",)),
+         "kept tokens reaching max_model_len", GENERATED,
+         (SAMPLED, "conformance/test_drafts.py::test_accepted_tokens_past_max_model_len_are_rejected",
+          "conformance/test_errors.py::test_sampled_token_past_max_model_len_is_rejected")),
     # prepare and row_of (spec/pool.py)
     Rule(P, "prepare", "not the last applied", "prepare only the output applied last",
          EVERY_STEP, GENERATED, (MISUSE, IP)),

@@ -159,6 +159,8 @@ def random_scenario(
     no_mamba = not any(g.kind == "mamba" for g in config.kv_groups)  # async with a mamba group is not modelled
     if async_scheduling and no_mamba and random.Random(f"async {seed}").random() < ASYNC_SHARE:  # own source too
         config = replace(config, async_scheduling=True)
+    if spec_decode and not config.async_scheduling:  # its own source: the draws above stay the seed's
+        knobs = replace(knobs, drafts_to_the_end=random.Random(f"to the end {seed}").random() < 0.5)
     return Scenario(config, workload, knobs, attention, scenario_seed)
 
 

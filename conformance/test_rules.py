@@ -81,7 +81,7 @@ class _Reach:
         self.edges.update(name for name, edge in SAMPLED_EDGES.items() if edge(sampled, config))
         refusals = Refusals(self.handles, self.pools)
         for name in SAMPLED_FAULTS:
-            broken = break_sampled(name, sampled.rows, sampled.drafts, sampled.takes, config, rng)
+            broken = break_sampled(name, sampled, config, rng)
             if broken is not None:
                 refusals.record(batches, *broken)
         handle = self.handles[0]

@@ -34,7 +34,7 @@ def test_every_sampled_fault_is_refused_identically(backend: BackendHandle) -> N
         for name in SAMPLED_FAULTS:
             if made[name] >= 3:
                 continue  # enough of this one: the interpreter backend is slow
-            broken = break_sampled(name, sampled.rows, sampled.drafts, sampled.takes, config, rng)
+            broken = break_sampled(name, sampled, config, rng)
             if broken is not None:
                 refusals.record(batches, *broken)
                 made[name] += 1

@@ -96,6 +96,7 @@ def test_seeded_runs_exercise_every_feature() -> None:
             drafts_crossing_blocks=stats.drafts_crossing_blocks,
             drafts_on_admission=stats.drafts_on_admission,
             drafts_on_retaken_row=stats.drafts_on_retaken_row,
+            drafts_to_the_end=stats.drafts_to_the_end,
             optimistic_count=stats.optimistic_counts,  # async scheduling: a step sent counting rejected drafts
             encoder_write=stats.encoder_writes,
             encoder_rewrite=stats.encoder_rewrites,
@@ -142,6 +143,7 @@ def test_seeded_runs_exercise_every_feature() -> None:
             "drafts_crossing_blocks",
             "drafts_on_admission",
             "drafts_on_retaken_row",
+            "drafts_to_the_end",
             "drafts and plain decodes in one step",
             "multimodal request",
             "multimodal prompt in chunks",

@@ -30,6 +30,7 @@ class SchedulerStats:
     drafts_on_prefill: int = 0  # drafts riding on a chunk that also computes prompt tokens
     drafts_on_admission: int = 0  # drafting request-steps of a new or resumed request's first step
     drafts_on_retaken_row: int = 0  # of those, new requests in a row that the same output freed
+    drafts_to_the_end: int = 0  # drafting request-steps that reached the end and dropped the bonus (drafts_to_the_end)
     drafts_crossing_blocks: int = 0  # drafting request-steps whose drafts start or cross a block of some group
     encoder_writes: int = 0  # first steps of encoder-decoder requests: their encoder's KV is written
     encoder_rewrites: int = 0  # of those, resumed after a preemption: the encoder runs again
