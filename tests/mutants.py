@@ -356,4 +356,28 @@ MUTANTS: tuple[Mutant, ...] = (
         "        spec_blocks = 0\n",
         (MAMBA,),
     ),
+    Mutant(
+        "columns-resumed-ids-of-any-container",
+        "check 1: the columns' resumed_req_ids is a set (an empty tuple reads as no resumptions)",
+        "fast/validate.py",
+        "if resumed_ids or type(resumed_ids) not in (frozenset, set) or type(cached.req_ids) not in _SEQUENCES:",
+        "if resumed_ids or type(cached.req_ids) not in _SEQUENCES:",
+        (f"{INVALID}::test_every_malformation_is_provoked_and_survived",),
+    ),
+    Mutant(
+        "pad-to-below-the-tokens-accepted",
+        "prepare: pad_to is at least the step's scheduled tokens",
+        "fast/pool.py",
+        "        if padded < num_tokens:\n",
+        "        if False:\n",
+        (f"{INVALID}::test_misuse_between_the_calls_changes_nothing",),
+    ),
+    Mutant(
+        "drafts-kept-past-max-model-len",
+        "record_sampled: kept tokens fit max_model_len",
+        "fast/sampled.py",
+        "        if c == 0 or c > 1 + k or known + c > max_len:",
+        "        if c == 0 or c > 1 + k:",
+        ("conformance/test_sampled_faults.py",),
+    ),
 )
