@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numba
 import numpy as np
 import pytest
 import torch
@@ -88,6 +89,14 @@ def _interleaved(benchmark: Any, target: Callable[[], None], peer: Callable[[], 
         benchmark.extra_info["reference_median"] = float(np.median(peer_times[1:] or peer_times))
 
 
+def _numba_layer() -> str:
+    """The threading layer Numba's parallel kernels run on (fast.cpu.threads: TBB where the wheel is installed)."""
+    try:
+        return str(numba.threading_layer())
+    except ValueError:  # no parallel kernel launched in this process yet
+        return "none launched"
+
+
 def _attention_flops(case: AttentionCase, num_heads: int, head_dim: int) -> int:
     visible = 0
     for computed, scheduled in case.requests:
@@ -116,7 +125,7 @@ def test_attention_vs_vllm(benchmark: Any, bench_budget: float, case: AttentionC
            what="paged attention (32 query / 8 KV heads, head_dim 128, blocks of 32), fast's rounds interleaved "
                 "with vLLM's cpu_attention_with_kv_cache")  # fmt: skip
     benchmark.extra_info.update(threads=threads, dtype=str(case.dtype).removeprefix("torch."), vllm_isa=vllm_cpu.isa(
-        case.dtype, BLOCK_SIZE, inputs.query.shape[2]))  # fmt: skip
+        case.dtype, BLOCK_SIZE, inputs.query.shape[2]), numba_layer=_numba_layer())  # fmt: skip
     _interleaved(benchmark, target, peer, bench_budget)
 
 

@@ -90,10 +90,10 @@ def paged_attention_cpu(
                 out.numpy(), query.numpy(), key, value, strides, table, items, group, head_dim, block_size,
                 np.float32(scale), sliding_window or 0, np.float32(softcap or 0.0), k_scales, v_scales,
             )  # fmt: skip
-    # Where Numba's OpenMP threading layer shares torch's OpenMP runtime it leaves its own thread count there:
-    # torch's count is restored. Where it loads a second runtime (the system libgomp beside torch's, as in
-    # .venv-vllm) torch's parallel regions after a Numba parallel call can stall instead (SDPA at 2 threads
-    # measured 68 ms -> 1.1-1.8 s); NUMBA_THREADING_LAYER=workqueue avoids that, for callers on one Python thread
+    # Numba's OpenMP layer shares torch's runtime only in builds that link the same libgomp: there the count
+    # set above would be torch's too, so torch's is put back. The pip wheels' omp layer loads a second runtime
+    # instead (libgomp.so.1.0.0 beside torch's libgomp.so.1), which stalls torch's parallel regions after a Numba
+    # call; fast.cpu.threads therefore has Numba run on TBB, which touches neither runtime
     torch.set_num_threads(torch_threads)
 
 
