@@ -177,6 +177,12 @@ def _step_to_max_model_len(config: WorkerConfig, rows: Mapping[str, RowSnapshot]
     return any(computed[r] + n == config.max_model_len for r, n in out.num_scheduled_tokens.items())
 
 
+def _async_drafts(config: WorkerConfig, rows: Mapping[str, RowSnapshot], out: SchedulerOutput) -> bool:
+    """Drafts sent under async scheduling: each after a step whose verdict the host had read (the scheduler's
+    async mode never drafts a request twice in a row)."""
+    return config.async_scheduling and any(len(d) for d in out.scheduled_spec_decode_tokens.values())
+
+
 def _finished_and_new(config: WorkerConfig, rows: Mapping[str, RowSnapshot], out: SchedulerOutput) -> bool:
     return bool(out.finished_req_ids) and bool(out.new_requests)
 
@@ -245,6 +251,7 @@ VALID_EDGES: dict[str, Edge] = {
     "a resumed request starting from 0": _resumed_from_zero,
     "a request scheduled for one token": _one_token_scheduled,
     "a step ending at max_model_len": _step_to_max_model_len,
+    "drafts under async scheduling, the verdict before them read": _async_drafts,
     "finished and new requests in one step": _finished_and_new,
     "a new request with an M-RoPE table": _new_multimodal_request,
     "an encoder_len of max_encoder_len": _encoder_len_at_max,
@@ -392,8 +399,8 @@ RULES: tuple[Rule, ...] = (
     # check 8 under async scheduling (spec/async_steps.py, rule 5)
     Rule("async_steps.py", "check_no_drafts_after_unverified", "UnknownTokenError(req_id",
          "no drafts right after drafts whose verdict the host has not read",
-         f"{ASYNC}::test_async_runs_agree_with_spec_on_every_step", GENERATED,
-         (ASYNC, DRAFT_FAULTS)),
+         "drafts under async scheduling, the verdict before them read", GENERATED,
+         (f"{ASYNC}::test_async_runs_agree_with_spec_on_every_step", DRAFT_FAULTS)),
     # checks 9-13 (spec/validate.py, per group)
     Rule(V, "_check_block_ids", '"not a tuple, list', "block ids are integer ids",
          EVERY_STEP, GENERATED, (MALFORMATIONS,)),
