@@ -6,8 +6,9 @@ ends in one line saying what to pass instead (exit status 2) before anything run
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -98,19 +99,21 @@ def explain(
     """Show one step in the four index spaces: state rows, batch, flat tokens, each token's path to its slot."""
     from conformance.backends import load_backend
     from slotmap.pictures import steps
+    from slotmap.pictures.cross import explain_cross, render_cross
     from slotmap.pictures.explanation import explain_step
+    from slotmap.pictures.mamba import explain_mamba, render_mamba
+    from slotmap.pictures.mrope import explain_mrope, render_mrope
     from slotmap.pictures.terminal import render
 
-    if async_scheduling and seed is None:
-        raise typer.BadParameter("--async needs --seed (the worked example is synchronous)")
-    if spec_tokens and seed is None:
-        raise typer.BadParameter("--spec-tokens needs --seed (the worked example has no drafts)")
-    if encoder_decoder and seed is None:
-        raise typer.BadParameter("--encoder-decoder needs --seed (the worked example is decoder-only)")
-    if mrope and seed is None:
-        raise typer.BadParameter("--mrope needs --seed (the worked example has no position tables)")
-    if hybrid and seed is None:
-        raise typer.BadParameter("--hybrid needs --seed (the worked example has no mamba group)")
+    for flag, given, why in (
+        ("--async", async_scheduling, "is synchronous"),
+        ("--spec-tokens", spec_tokens, "has no drafts"),
+        ("--encoder-decoder", encoder_decoder, "is decoder-only"),
+        ("--mrope", mrope, "has no position tables"),
+        ("--hybrid", hybrid, "has no mamba group"),
+    ):
+        if given and seed is None:
+            raise typer.BadParameter(f"{flag} needs --seed (the worked example {why})")
     handle = load_backend(backend)
     try:
         if seed is None:
@@ -124,24 +127,15 @@ def explain(
     ex = explain_step(view)
     console = Console()
     render(ex, console)
-    if encoder_decoder:
-        from slotmap.pictures.cross import explain_cross, render_cross
-
-        cross = explain_cross(view)
-        if cross is not None:
-            render_cross(cross, console)
-    if mrope:
-        from slotmap.pictures.mrope import explain_mrope, render_mrope
-
-        tokens = explain_mrope(view)
-        if tokens is not None:
-            render_mrope(tokens, console)
-    if hybrid:
-        from slotmap.pictures.mamba import explain_mamba, render_mamba
-
-        states = explain_mamba(view)
-        if states is not None:
-            render_mamba(states, console)
+    families: list[tuple[bool, Callable[[steps.StepView], Any], Callable[[Any, Console], None]]] = [
+        (encoder_decoder, explain_cross, render_cross),
+        (mrope, explain_mrope, render_mrope),
+        (hybrid, explain_mamba, render_mamba),
+    ]
+    for wanted, explain_family, render_family in families:
+        found = explain_family(view) if wanted else None
+        if found is not None:  # None: the step has nothing of the family to show
+            render_family(found, console)
     if async_scheduling:
         from slotmap.pictures.terminal import render_pending
 
