@@ -166,24 +166,11 @@ class Pair:
                 continue
             if group.kind == "mamba":  # its state indices are compared with the batch; the state is the model's
                 continue
-            kv_shape = (padded, att.num_kv_heads, att.head_dim)
-            key = self.kv_rng.standard_normal(kv_shape).astype(att.dtype)
-            value = self.kv_rng.standard_normal(kv_shape).astype(att.dtype)
-            query = self.kv_rng.standard_normal((padded, att.num_heads, att.head_dim)).astype(att.dtype)
-            (rk, rv), (ck, cv) = self.ref.caches[g], self.cand.caches[g]
             to = self.cand.handle.asarray
             fp8, cand_fp8 = _fp8_arguments(att, np.asarray), _fp8_arguments(att, to)
-            spec.write_kv(rk, rv, key, value, ref_batch.slot_mappings[g], **fp8)
-            try:
-                self.cand.handle.module.write_kv(ck, cv, to(key), to(value), cand_batch.slot_mappings[g], **cand_fp8)
-            except Exception as exc:
-                raise MismatchError(f"write_kv[{g}]: candidate raised {exc!r}") from exc
-            for which, r, c in (("key", rk, ck), ("value", rv, cv)):
-                got = self.cand.handle.to_numpy(c)
-                if not np.array_equal(got, r):
-                    where = np.argwhere(got != r)[:3].tolist()
-                    raise MismatchError(f"write_kv[{g}]: {which} cache differs at [block, offset, head, dim] {where}")
-
+            slots = (ref_batch.slot_mappings[g], cand_batch.slot_mappings[g])
+            query = self.write_random_kv(g, padded, padded, *slots, f"write_kv[{g}]", fp8, cand_fp8)
+            (rk, rv), (ck, cv) = self.ref.caches[g], self.cand.caches[g]
             window, softcap = group.sliding_window, att.softcap
             table, seq_lens, qsl = ref_batch.block_tables[g], ref_batch.seq_lens, ref_batch.query_start_loc
             # an fp8 cache: both references read the very codes (conformance/tolerance.py's fp8 rule)
@@ -214,27 +201,48 @@ class Pair:
             except AssertionError as exc:
                 raise MismatchError(f"paged_attention[{g}] (window {group.sliding_window}): {exc}") from exc
 
+    def write_random_kv(
+        self,
+        g: int,
+        num_kv: int,  # keys and values written: one per slot
+        num_queries: int,
+        ref_slots: np.ndarray,  # [num_kv] the reference batch's slots
+        cand_slots: Any,  # [num_kv] the candidate's
+        what: str,  # names the write in a mismatch
+        fp8: dict[str, Any],  # the reference's cache format and scales (_fp8_arguments)
+        cand_fp8: dict[str, Any],  # the candidate's
+    ) -> np.ndarray:  # [num_queries, num_heads, head_dim] a random query for the attention that reads them
+        """Random keys and values written into group g's caches by both backends' write_kv; the caches must agree."""
+        att = self.attention
+        assert att is not None
+        kv_shape = (num_kv, att.num_kv_heads, att.head_dim)
+        key = self.kv_rng.standard_normal(kv_shape).astype(att.dtype)
+        value = self.kv_rng.standard_normal(kv_shape).astype(att.dtype)
+        query = self.kv_rng.standard_normal((num_queries, att.num_heads, att.head_dim)).astype(att.dtype)
+        (rk, rv), (ck, cv) = self.ref.caches[g], self.cand.caches[g]
+        to = self.cand.handle.asarray
+        spec.write_kv(rk, rv, key, value, ref_slots, **fp8)
+        try:
+            self.cand.handle.module.write_kv(ck, cv, to(key), to(value), cand_slots, **cand_fp8)
+        except Exception as exc:
+            raise MismatchError(f"{what}: candidate raised {exc!r}") from exc
+        for which, r, c in (("key", rk, ck), ("value", rv, cv)):
+            got = self.cand.handle.to_numpy(c)
+            if not np.array_equal(got, r):
+                where = np.argwhere(got != r)[:3].tolist()
+                raise MismatchError(f"{what}: {which} cache differs at [block, offset, head, dim] {where}")
+        return query
+
     def compare_cross_attention(self, g: int, ref_batch: BatchInputs, cand_batch: BatchInputs) -> None:
         """Group g holds the encoder's KV (spec/cross_attention.py): random encoder keys and values go in through
         cross_slot_mapping, then both backends' cross_attention reads them for the decoder's queries."""
         att = self.attention
         assert att is not None
         num_tokens, padded = ref_batch.num_tokens, ref_batch.num_tokens_padded
-        encoder_tokens = len(ref_batch.cross_slot_mapping)
-        kv_shape = (encoder_tokens, att.num_kv_heads, att.head_dim)
-        key = self.kv_rng.standard_normal(kv_shape).astype(att.dtype)
-        value = self.kv_rng.standard_normal(kv_shape).astype(att.dtype)
-        query = self.kv_rng.standard_normal((padded, att.num_heads, att.head_dim)).astype(att.dtype)
+        slots = (ref_batch.cross_slot_mapping, cand_batch.cross_slot_mapping)
+        query = self.write_random_kv(g, len(slots[0]), padded, *slots, f"write_kv[{g}] (encoder)", {}, {})
         (rk, rv), (ck, cv) = self.ref.caches[g], self.cand.caches[g]
-        spec.write_kv(rk, rv, key, value, ref_batch.cross_slot_mapping)
         to = self.cand.handle.asarray
-        try:
-            self.cand.handle.module.write_kv(ck, cv, to(key), to(value), cand_batch.cross_slot_mapping)
-        except Exception as exc:
-            raise MismatchError(f"write_kv[{g}] (encoder): candidate raised {exc!r}") from exc
-        for which, r, c in (("key", rk, ck), ("value", rv, cv)):
-            if not np.array_equal(self.cand.handle.to_numpy(c), r):
-                raise MismatchError(f"write_kv[{g}] (encoder): {which} cache differs")
         cross = cross_attention_of(self.cand.handle)
         if cross is None:
             return  # a third-party backend without cross-attention: its slots are compared above
