@@ -9,7 +9,6 @@ it: 2 GiB of address space of which only the few blocks used are ever touched.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -26,17 +25,8 @@ from spec.fp8 import KV_CACHE_DTYPES, Fp8Format, encode
 from spec.types import PAD_SLOT_ID
 from tests.test_fast_attention import CASES, make_case
 
-MODES = ["torch", pytest.param("interpret", marks=pytest.mark.interpret)]
 KV_DTYPES = ["fp8_e4m3", "fp8_e5m2"]
 SOURCE_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-
-
-@pytest.fixture(params=MODES)
-def mode(request: pytest.FixtureRequest) -> Iterator[str]:
-    if request.param == "interpret" and not HAVE_TRITON:
-        pytest.skip("Triton is not installed on this platform")
-    with interpret(request.param == "interpret"):
-        yield request.param
 
 
 def _format(kv_cache_dtype: str) -> Fp8Format:
@@ -206,7 +196,7 @@ def _attention_params() -> list[Any]:
     ):
         values = (name, kv_cache_dtype, dtype, scale_kind)
         label = f"{name}-{kv_cache_dtype}-{str(dtype).removeprefix('torch.')}-{scale_kind}"
-        params.append(pytest.param("torch", *values, id=f"torch-{label}"))
+        params.append(pytest.param("host", *values, id=f"host-{label}"))
         if (name, kv_cache_dtype, dtype) in INTERPRETED and scale_kind == "per-head":
             params.append(pytest.param("interpret", *values, id=f"interpret-{label}", marks=pytest.mark.interpret))
     return params
