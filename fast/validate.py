@@ -36,7 +36,7 @@ import numpy as np
 from numba import njit
 
 from spec.state import PoolState, StepPlan, TableWrites, ranges
-from spec.types import CachedRequest, CachedRequestColumns, NewRequest, SchedulerOutput
+from spec.types import NULL_BLOCK_ID, CachedRequest, CachedRequestColumns, NewRequest, SchedulerOutput
 
 _SEQUENCES = (tuple, list)
 _EMPTY = np.zeros(0, np.int64)
@@ -130,7 +130,7 @@ def plan_bulk_step(
         appended, written = checked
         if num_new:
             written = np.concatenate([new_written[g], written])
-        if _has_repeats(written):  # a block written by two requests: plan_step checks per slot
+        if _has_repeats(written, -1):  # a block written by two requests: plan_step checks per slot
             return None
         tables.append(_merge(new_rows, new_writes[g], appended) if num_new else appended)
     if not num_new and type(cached_at) is slice:  # the cached requests come in the scheduler's order
@@ -332,7 +332,7 @@ def _check_new_tables(  # pragma: no cover - compiled; tested through plan_bulk_
         for e in range(read_from, last[i] // block_size + 1):
             if table[e] == 0:
                 return False  # a token would read or write through the null block
-        if _repeats_a_block(table[read_from:]):
+        if _has_repeats(table[read_from:], NULL_BLOCK_ID):
             return False  # a block twice among the entries not released by the window
         for e in range(num_computed[i] // block_size, last[i] // block_size + 1):
             written[w] = table[e]
@@ -518,7 +518,7 @@ def _check_cached_group(  # pragma: no cover - compiled; tested through plan_bul
             for e in range(lo, min(last_block, count - 1) + 1):
                 if table[row, e] == 0:
                     return False
-            if _repeats_a_block(table[row, lo:count]):
+            if _has_repeats(table[row, lo:count], NULL_BLOCK_ID):
                 return False
         for block_index in range(first, last_block + 1):
             if block_index < count:
@@ -527,16 +527,6 @@ def _check_cached_group(  # pragma: no cover - compiled; tested through plan_bul
                 written[w] = ids[start_of[i] + block_index - count]
             w += 1
     return True
-
-
-@njit(cache=True, nogil=True)
-def _repeats_a_block(entries: np.ndarray) -> bool:  # pragma: no cover - compiled
-    """Some real (non-null) block id appears twice among `entries`."""
-    ordered = np.sort(entries)
-    for e in range(1, ordered.shape[0]):  # noqa: SIM110 - a loop Numba compiles (no generators)
-        if ordered[e] == ordered[e - 1] and ordered[e] != 0:
-            return True
-    return False
 
 
 def _merge(new_rows: np.ndarray, new: TableWrites, cached: TableWrites) -> TableWrites:
@@ -551,9 +541,10 @@ def _merge(new_rows: np.ndarray, new: TableWrites, cached: TableWrites) -> Table
 
 
 @njit(cache=True, nogil=True)
-def _has_repeats(values: np.ndarray) -> bool:  # pragma: no cover - compiled
+def _has_repeats(values: np.ndarray, may_repeat: int) -> bool:  # pragma: no cover - compiled
+    """Some value other than `may_repeat` appears twice among `values` [k]."""
     ordered = np.sort(values)
     for i in range(1, ordered.shape[0]):  # noqa: SIM110 - a loop Numba compiles (no generators)
-        if ordered[i] == ordered[i - 1]:
+        if ordered[i] == ordered[i - 1] and ordered[i] != may_repeat:
             return True
     return False

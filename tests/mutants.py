@@ -95,7 +95,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "fast-shared-block-slots-unchecked",
         "13 DuplicateSlotError: no two tokens of a step write one slot",
         "fast/validate.py",
-        "if _has_repeats(written):  # a block written by two requests: plan_step checks per slot",
+        "if _has_repeats(written, -1):  # a block written by two requests: plan_step checks per slot",
         "if False:",
         (TARGETED, INVALID),
     ),
@@ -114,14 +114,6 @@ MUTANTS: tuple[Mutant, ...] = (
         "if num_computed[i] < 0 or last[i] >= num_known[rows[i]] + k:",
         "if num_computed[i] < 0 or last[i] > num_known[rows[i]] + k:",
         (INVALID,),
-    ),
-    Mutant(
-        "cp-transform-on-replicated-group",
-        "context parallelism: a replicated group keeps the pool's slots on every rank (vLLM PR #57260)",
-        "fast/context_parallel.py",
-        "        if cp.is_sharded(g):\n            bs = cp.block_size(config, g)",
-        "        if True:\n            bs = cp.block_size(config, g)",
-        (CONTEXT_PARALLEL, CP_RANKS),
     ),
     Mutant(
         "spec-cp-transform-on-replicated-group",
