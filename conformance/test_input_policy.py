@@ -9,7 +9,7 @@ table left stale by a half-done rejection (the interpreter's separate device sta
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -19,7 +19,7 @@ import pytest
 import spec
 from conformance.backends import BackendHandle
 from conformance.compare import batch_differences
-from conformance.differential import Pair, one_torch_thread
+from conformance.differential import Pair
 from conformance.malformed import CHECK_ONE
 from conformance.mutations import MALFORMATIONS
 from conformance.probes import EDITS
@@ -52,10 +52,7 @@ AnyCached: Any = CachedRequest
 AnyColumns: Any = CachedRequestColumns
 
 
-@pytest.fixture(autouse=True)
-def _single_thread() -> Iterator[None]:
-    with one_torch_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conformance/pytest_plugin.py
 
 
 def _ones(batch: BatchInputs) -> list[int]:

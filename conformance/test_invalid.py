@@ -18,18 +18,14 @@ from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
 from conformance.backends import BackendHandle
-from conformance.differential import Breaker, DifferentialRun, MismatchError, budget_for, drive, one_torch_thread
+from conformance.differential import Breaker, DifferentialRun, MismatchError, budget_for, drive
 from conformance.mutations import MALFORMATIONS, breaker, malformation_breaker
 from conformance.probes import ProbedPool
 from conformance.scenario import Scenario, random_scenario
 from conformance.strategies import breakages, scenarios
 from spec.errors import ALL_ERRORS, ScheduleError
 
-
-@pytest.fixture(autouse=True)
-def _single_thread() -> object:
-    with one_torch_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conformance/pytest_plugin.py
 
 
 def test_invalid_outputs_are_rejected_identically(backend: BackendHandle, conformance_scale: float) -> None:
