@@ -471,12 +471,12 @@ RULES: tuple[Rule, ...] = (
          "kept tokens reaching max_model_len", GENERATED,
          (SAMPLED, "conformance/test_drafts.py::test_accepted_tokens_past_max_model_len_are_rejected",
           "conformance/test_errors.py::test_sampled_token_past_max_model_len_is_rejected")),
-    # prepare and row_of (spec/pool.py)
-    Rule(P, "prepare", "not the last applied", "prepare only the output applied last",
+    # prepare (its checks: check_last_applied, padded_tokens) and row_of (spec/pool.py)
+    Rule(P, "check_last_applied", "not the last applied", "prepare only the output applied last",
          EVERY_STEP, GENERATED, (MISUSE, IP)),
-    Rule(P, "prepare", "is not an integer", "pad_to is an integer",
+    Rule(P, "padded_tokens", "is not an integer", "pad_to is an integer",
          EVERY_STEP, GENERATED, (MISUSE, f"{IP}::test_pad_to_that_is_not_an_integer_at_least_the_tokens_is_refused")),
-    Rule(P, "prepare", "scheduled tokens", "pad_to is at least the scheduled tokens",
+    Rule(P, "padded_tokens", "scheduled tokens", "pad_to is at least the scheduled tokens",
          EVERY_STEP, GENERATED, (MISUSE, f"{IP}::test_pad_to_that_is_not_an_integer_at_least_the_tokens_is_refused")),
     Rule(P, "row_of", "request holds no row", "row_of a request that holds a row",
          EVERY_STEP, GENERATED, (MISUSE, "conformance/test_errors.py::test_row_of_an_unknown_request")),

@@ -52,8 +52,9 @@ from spec.async_steps import pending_tokens
 from spec.cross_attention import cross_group
 from spec.drafts import accepted_rows, draft_logits
 from spec.errors import InconsistentSchedulerOutputError, UnknownRequestError
+from spec.pool import check_last_applied, padded_tokens
 from spec.state import PoolState, StepPlan
-from spec.types import BatchInputs, PoolSnapshot, RowSnapshot, SchedulerOutput, WorkerConfig, is_integral
+from spec.types import BatchInputs, PoolSnapshot, RowSnapshot, SchedulerOutput, WorkerConfig
 from spec.validate import plan_step
 
 
@@ -121,20 +122,13 @@ class RequestStatePool:
 
     # ---- prepare -----------------------------------------------------------------------------------
     def prepare(self, sched: SchedulerOutput, pad_to: int | None = None) -> BatchInputs:
-        plan = self._plan
-        if plan is None or (sched is not self._applied and sched != self._applied):
-            raise InconsistentSchedulerOutputError(None, "prepare", "not the last applied scheduler output")
+        plan = check_last_applied(sched, self._applied, self._plan)
         # from here on in batch order: index_mapping [num_reqs] batch_idx -> req_state_idx
         order, index_mapping, num_scheduled = batch_order(plan.rows, plan.num_scheduled)
         req_ids = plan.req_ids if order is None else itemgetter(*order)(plan.req_ids)  # order: 2+ entries
         cu_num_tokens = num_scheduled.cumsum()  # [num_reqs] int64
         num_tokens = int(cu_num_tokens[-1]) if index_mapping.size else 0
-        padded = num_tokens if pad_to is None else pad_to
-        if not is_integral(padded):
-            raise InconsistentSchedulerOutputError(None, "pad_to", f"{pad_to!r} is not an integer")
-        if padded < num_tokens:
-            raise InconsistentSchedulerOutputError(None, "pad_to", f"{pad_to} < {num_tokens} scheduled tokens")
-        padded = int(padded)
+        padded = padded_tokens(pad_to, num_tokens)
         # [num_reqs] int64 as the host counts (optimistically, under async scheduling: spec/async_steps.py)
         computed = plan.num_computed if order is None else plan.num_computed[order]
         seq_lens = computed + num_scheduled

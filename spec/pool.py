@@ -72,16 +72,9 @@ class RequestStatePool:
         self._applied, self._plan, self._prepared = sched, plan, None
 
     def prepare(self, sched: SchedulerOutput, pad_to: int | None = None) -> BatchInputs:
-        if self._plan is None or (sched is not self._applied and sched != self._applied):
-            raise InconsistentSchedulerOutputError(None, "prepare", "not the last applied scheduler output")
-        plan = self._plan
+        plan = check_last_applied(sched, self._applied, self._plan)
         num_tokens = int(plan.num_scheduled.sum())
-        padded = num_tokens if pad_to is None else pad_to
-        if not is_integral(padded):
-            raise InconsistentSchedulerOutputError(None, "pad_to", f"{pad_to!r} is not an integer")
-        if padded < num_tokens:
-            raise InconsistentSchedulerOutputError(None, "pad_to", f"{pad_to} < {num_tokens} scheduled tokens")
-        padded = int(padded)
+        padded = padded_tokens(pad_to, num_tokens)
         scheduled = list(zip(plan.req_ids, plan.num_scheduled.tolist(), strict=True))  # scheduler order
         req_ids, index_mapping, num_scheduled = batch_order(scheduled, self.state.row_of)
         flat = flatten(index_mapping, num_scheduled, self.state.num_computed_tokens, self.token_ids, padded)
@@ -209,3 +202,21 @@ def _sampler_fields(sampler: DraftLogits) -> dict[str, np.ndarray]:
         "target_logits_indices": sampler.target_logits_indices,
         "bonus_logits_indices": sampler.bonus_logits_indices,
     }
+
+
+def check_last_applied(sched: SchedulerOutput, applied: SchedulerOutput | None, plan: StepPlan | None) -> StepPlan:
+    """The plan of the step to prepare: `sched` must be the output applied last (the same object, or equal)."""
+    if plan is None or (sched is not applied and sched != applied):
+        raise InconsistentSchedulerOutputError(None, "prepare", "not the last applied scheduler output")
+    return plan
+
+
+def padded_tokens(pad_to: int | None, num_tokens: int) -> int:
+    """The batch's padded token count: the step's tokens, or pad_to, an integer at least that many."""
+    if pad_to is None:
+        return num_tokens
+    if not is_integral(pad_to):
+        raise InconsistentSchedulerOutputError(None, "pad_to", f"{pad_to!r} is not an integer")
+    if pad_to < num_tokens:
+        raise InconsistentSchedulerOutputError(None, "pad_to", f"{pad_to} < {num_tokens} scheduled tokens")
+    return int(pad_to)

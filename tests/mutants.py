@@ -359,9 +359,9 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "pad-to-below-the-tokens-accepted",
         "prepare: pad_to is at least the step's scheduled tokens",
-        "fast/pool.py",
-        "        if padded < num_tokens:\n",
-        "        if False:\n",
+        "spec/pool.py",
+        "    if pad_to < num_tokens:\n",
+        "    if False:\n",
         (f"{INVALID}::test_misuse_between_the_calls_changes_nothing",),
     ),
     Mutant(
