@@ -25,6 +25,7 @@ from benchmarks.baselines.dense_sdpa import contiguous_kv, dense_attention
 from benchmarks.cpu_kernel_cases import (
     ATTENTION_CASES,
     BLOCK_SIZE,
+    CASES_BY_NAME,
     KV_WRITE_CASES,
     SLOT_CASES,
     THREADS,
@@ -126,6 +127,34 @@ def test_attention_vs_vllm(benchmark: Any, bench_budget: float, case: AttentionC
                 "with vLLM's cpu_attention_with_kv_cache")  # fmt: skip
     benchmark.extra_info.update(threads=threads, dtype=str(case.dtype).removeprefix("torch."), vllm_isa=vllm_cpu.isa(
         case.dtype, BLOCK_SIZE, inputs.query.shape[2]), numba_layer=_numba_layer())  # fmt: skip
+    _interleaved(benchmark, target, peer, bench_budget)
+
+
+VARIANT_CASES = tuple(c for c in ATTENTION_CASES if c.plain is not None)
+
+
+@pytest.mark.parametrize(("case", "threads"), _params(VARIANT_CASES), indirect=["threads"])
+def test_attention_vs_plain(benchmark: Any, bench_budget: float, case: AttentionCase, threads: int) -> None:
+    """fast on a soft-capped or windowed batch, its rounds interleaved with fast on the same batch without either:
+    the cost of the variant itself (medians of separate benchmarks differ with the machine's load between them)."""
+    inputs, plain = attention_inputs.__wrapped__(case), attention_inputs.__wrapped__(CASES_BY_NAME[str(case.plain)])
+    args, plain_args = (
+        (i.query, i.key_cache, i.value_cache, i.block_table, i.seq_lens, i.query_start_loc) for i in (inputs, plain)
+    )
+    check_rows(inputs, fast.paged_attention(*args, **inputs.kwargs))  # type: ignore[arg-type]
+    check_rows(plain, fast.paged_attention(*plain_args, **plain.kwargs))  # type: ignore[arg-type]
+
+    def target() -> None:
+        fast.paged_attention(*args, **inputs.kwargs)  # type: ignore[arg-type]
+
+    def peer() -> None:
+        fast.paged_attention(*plain_args, **plain.kwargs)  # type: ignore[arg-type]
+
+    record(benchmark, "attention_vs_plain", _workload(case.name, case.requests, threads), "fast",
+           flops=_attention_flops(case, inputs.query.shape[1], inputs.query.shape[2]), reference=f"fast {case.plain}",
+           what="fast's paged attention with a window or soft-cap, its rounds interleaved with fast's on the same "
+                "batch without it")  # fmt: skip
+    benchmark.extra_info.update(threads=threads, plain=case.plain, numba_layer=_numba_layer())
     _interleaved(benchmark, target, peer, bench_budget)
 
 
