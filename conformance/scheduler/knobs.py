@@ -26,7 +26,7 @@ class SchedulerKnobs:
     null_lookahead: bool = False
     # drafts that may run to the last position of max_model_len and of the output budget (vLLM stops one short,
     # spec accepts the step): the rejection step then keeps at most the tokens that still fit, as an engine
-    # must drop a bonus token with no room (synchronous scheduling only)
+    # must drop a bonus token with no room (synchronous scheduling only: ignored under async)
     drafts_to_the_end: bool = False
     # vLLM's form of each output (conformance/scheduler/vllm_form.py); none of these changes what is scheduled
     # new_block_ids_to_zero, as vLLM 0.32 sends it when its cache needs zeroing (a mixed-precision KV cache;

@@ -63,8 +63,8 @@ class ReferenceScheduler:
         ids = [r.req_id for r in workload.requests]
         if len(set(ids)) != len(ids):
             raise ValueError("workload req_ids must be unique")
-        if knobs.drafts_to_the_end and config.async_scheduling:  # its next step would be sent before the cut
-            raise ValueError("knob drafts_to_the_end needs synchronous scheduling")
+        # under async scheduling the next step goes out before the cut is known: the knob applies to synchronous only
+        self.to_the_end = knobs.drafts_to_the_end and not config.async_scheduling
         self.requests = {r.req_id: SchedRequest(r, len(self.groups)) for r in workload.requests}
         self._arrivals = sorted(self.requests.values(), key=lambda r: r.spec.arrival_step)  # stable
         self.waiting: list[SchedRequest] = []  # preempted requests first, then arrivals in order
@@ -173,7 +173,7 @@ class ReferenceScheduler:
             drafts = out.scheduled_spec_decode_tokens.get(req_id, ())
             kept[req_id] = self.drafter.accept(drafts, int(target[req_id])) if drafts else (int(target[req_id]),)
             room = self._room(self.requests[req_id])
-            if self.knobs.drafts_to_the_end and len(kept[req_id]) > room:  # the bonus token has no room: dropped
+            if self.to_the_end and len(kept[req_id]) > room:  # the bonus token has no room: dropped
                 kept[req_id] = kept[req_id][:room]
                 self.stats.drafts_to_the_end += 1
         return kept
@@ -273,7 +273,7 @@ class ReferenceScheduler:
         """Most drafts req may carry: each kept one is an output token, and one more token always follows
         (knob drafts_to_the_end: the step may reach the end, and rejection_step keeps what fits)."""
         room = self._room(req)
-        return room if self.knobs.drafts_to_the_end else room - 1
+        return room if self.to_the_end else room - 1
 
     def _room(self, req: SchedRequest) -> int:
         """Tokens req may still keep: to max_model_len and to its output budget."""
