@@ -179,3 +179,18 @@ def with_fp8_draw(attention: AttentionSpec, rng: random.Random) -> AttentionSpec
     k_scale = tuple(rng.choice(KV_SCALES) for _ in range(heads))
     v_scale = tuple(rng.choice(KV_SCALES) for _ in range(heads))
     return replace(attention, kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale)
+
+
+def vllm_stress_scenario(seed: int) -> Scenario:
+    """Few blocks (preemption and resumption), a windowed group, prefixes, chunked prefill, aborts; every field
+    of vLLM's output sent (conformance/scheduler/vllm_form.py), in model runner v1's form (even seeds) and v2's
+    (odd), with pipeline parallelism from seed 2 on, where every request also starts with the same prefix, so
+    running requests share blocks (common-prefix claims)."""
+    config = WorkerConfig(4, 48, 40, 97, (KVCacheGroup(4, 22), KVCacheGroup(3, 30, sliding_window=7)))
+    knobs = SchedulerKnobs(max_chunk=9, abort_prob=0.05, shuffle_order=True, reuse_freed_first=True,
+                           zero_new_blocks=True, common_prefix_blocks=True, model_runner_v2=seed % 2 == 1,
+                           pipeline_parallel=seed >= 2)  # fmt: skip
+    one_prefix = seed >= 2
+    workload = make_workload(seed, config, num_requests=8, max_arrival_step=6, num_prefixes=1 if one_prefix else 2,
+                             max_new_tokens=10, shared_prefix_prob=1.0 if one_prefix else 0.5)  # fmt: skip
+    return Scenario(config, workload, knobs, None, seed)

@@ -23,8 +23,8 @@ import spec
 from conformance.backends import BackendHandle
 from conformance.compare import batch_differences
 from conformance.driving import sampled_array
-from conformance.scenario import random_scenario
-from conformance.scheduler import ReferenceScheduler, SchedulerKnobs, VllmFormError, as_vllm, make_workload
+from conformance.scenario import random_scenario, vllm_stress_scenario
+from conformance.scheduler import ReferenceScheduler, VllmFormError, as_vllm
 from spec import interop
 from spec.interop import (
     VllmCachedRequestData,
@@ -34,7 +34,7 @@ from spec.interop import (
     copy_vllm,
     from_vllm,
 )
-from spec.types import CachedRequest, KVCacheGroup, NewRequest, SchedulerOutput, WorkerConfig
+from spec.types import CachedRequest, NewRequest, SchedulerOutput, WorkerConfig
 
 SPEC = BackendHandle("spec", spec)
 
@@ -136,14 +136,8 @@ def in_these_shapes(out: VllmSchedulerOutput) -> VllmOutput:
 
 
 def _stress(seed: int) -> tuple[WorkerConfig, ReferenceScheduler]:
-    config = WorkerConfig(4, 48, 40, 97, (KVCacheGroup(4, 22), KVCacheGroup(3, 30, sliding_window=7)))
-    knobs = SchedulerKnobs(max_chunk=9, abort_prob=0.05, shuffle_order=True, reuse_freed_first=True,
-                           zero_new_blocks=True, common_prefix_blocks=True, model_runner_v2=seed % 2 == 1,
-                           pipeline_parallel=seed >= 2)  # fmt: skip
-    one_prefix = seed >= 2  # every request starts with the same prefix: running requests share blocks
-    workload = make_workload(seed, config, num_requests=8, max_arrival_step=6, num_prefixes=1 if one_prefix else 2,
-                             max_new_tokens=10, shared_prefix_prob=1.0 if one_prefix else 0.5)  # fmt: skip
-    return config, ReferenceScheduler(config, workload, knobs, seed=seed)
+    scenario = vllm_stress_scenario(seed)  # the shadow tests' scenario: every vLLM field sent
+    return scenario.config, ReferenceScheduler(scenario.config, scenario.workload, scenario.knobs, seed=seed)
 
 
 def _schedulers() -> list[tuple[WorkerConfig, ReferenceScheduler]]:

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 import spec
-from conformance.scenario import Scenario, random_scenario
-from conformance.scheduler import ReferenceScheduler, SchedulerKnobs, as_vllm, make_workload
+from conformance.scenario import Scenario, random_scenario, vllm_stress_scenario
+from conformance.scheduler import ReferenceScheduler, as_vllm
 from conformance.shadow import ShadowChecker, ShadowMismatchError, ShadowRefusalError, replay
 from conformance.shadow_inputs import to_numpy
 from spec.errors import ScheduleError
@@ -30,19 +30,6 @@ from tests.v1_style_engine import V1StyleEngine
 # a wrong claim planted in a real step's vLLM output: (the output, slotmap's, the scheduler) -> the planted output,
 # or None to send it as it is
 Plant = Callable[[VllmSchedulerOutput, SchedulerOutput, ReferenceScheduler], VllmSchedulerOutput | None]
-
-
-def _scenario(seed: int) -> Scenario:
-    """Few blocks (preemption and resumption), a windowed group, prefixes, chunked prefill, aborts; every field
-    of vLLM's output sent, in model runner v1's form and v2's, with and without pipeline parallelism."""
-    config = WorkerConfig(4, 48, 40, 97, (KVCacheGroup(4, 22), KVCacheGroup(3, 30, sliding_window=7)))
-    knobs = SchedulerKnobs(max_chunk=9, abort_prob=0.05, shuffle_order=True, reuse_freed_first=True,
-                           zero_new_blocks=True, common_prefix_blocks=True, model_runner_v2=seed % 2 == 1,
-                           pipeline_parallel=seed >= 2)  # fmt: skip
-    one_prefix = seed >= 2  # every request starts with the same prefix: running requests share blocks
-    workload = make_workload(seed, config, num_requests=8, max_arrival_step=6, num_prefixes=1 if one_prefix else 2,
-                             max_new_tokens=10, shared_prefix_prob=1.0 if one_prefix else 0.5)  # fmt: skip
-    return Scenario(config, workload, knobs, None, seed)
 
 
 def _run(
@@ -66,7 +53,7 @@ def _run(
 
 @pytest.mark.parametrize("seed", range(4))
 def test_a_correct_v1_style_engine_passes_every_step(seed: int, tmp_path: object) -> None:
-    for scenario in (_scenario(seed), random_scenario(seed)):
+    for scenario in (vllm_stress_scenario(seed), random_scenario(seed)):
         engine = V1StyleEngine(scenario.config)
         checker = ShadowChecker(scenario.config, repro_dir=str(tmp_path))
         sched = _run(scenario, engine, checker)
@@ -87,8 +74,9 @@ def test_the_correct_runs_cover_moves_preemption_and_resumption(tmp_path: object
         sent["new_token_ids"] += any(vllm_out.scheduled_cached_reqs.new_token_ids)
 
     for seed in range(4):
-        engine = V1StyleEngine(_scenario(seed).config)
-        sched = _run(_scenario(seed), engine, ShadowChecker(_scenario(seed).config, repro_dir=str(tmp_path)), count)
+        scenario = vllm_stress_scenario(seed)
+        engine = V1StyleEngine(scenario.config)
+        sched = _run(scenario, engine, ShadowChecker(scenario.config, repro_dir=str(tmp_path)), count)
         swaps += engine.swaps
         resumptions += sched.stats.resumptions
         preemptions += sched.stats.preemptions
@@ -109,7 +97,7 @@ def test_a_wrong_zero_list_or_common_prefix_claim_in_a_real_step_is_reported(see
     """Into the scheduler's own steps, in turn: a block a scheduled token reads added to new_block_ids_to_zero,
     and one more common-prefix block in a group than the scheduled requests' tables share. Each is reported at
     its step, with its field, and nothing else is."""
-    scenario = _scenario(seed)
+    scenario = vllm_stress_scenario(seed)
     planted: dict[int, str] = {}  # step -> the field planted there
     step = 0
 
@@ -142,7 +130,7 @@ def test_a_wrong_zero_list_or_common_prefix_claim_in_a_real_step_is_reported(see
 
 
 def test_a_planted_bug_is_caught_with_request_field_step_and_reproduction(tmp_path: object) -> None:
-    scenario = _scenario(0)
+    scenario = vllm_stress_scenario(0)
     engine = V1StyleEngine(scenario.config, bug="swap_keeps_block_table")
     checker = ShadowChecker(scenario.config, repro_dir=str(tmp_path))
     with pytest.raises(ShadowMismatchError) as caught:
@@ -280,7 +268,7 @@ def _run_torch(scenario: Scenario, checker: ShadowChecker) -> None:
 @pytest.mark.parametrize("seed", range(2))
 def test_the_record_of_an_engine_that_reuses_its_buffers_replays(seed: int, tmp_path: object) -> None:
     """Every recorded step must hold what that step saw: replaying the record passes where the run passed."""
-    scenario = _scenario(seed)
+    scenario = vllm_stress_scenario(seed)
     checker = ShadowChecker(scenario.config, repro_dir=str(tmp_path))
     _run_torch(scenario, checker)
     assert checker.step_index > 5 and not checker.reports
@@ -295,14 +283,14 @@ def test_the_checker_never_snapshots_the_pool(tmp_path: object, monkeypatch: pyt
         raise AssertionError("snapshot() called: it copies every token the pool holds")
 
     monkeypatch.setattr(spec.RequestStatePool, "snapshot", refuse)
-    scenario = _scenario(1)
+    scenario = vllm_stress_scenario(1)
     checker = ShadowChecker(scenario.config, repro_dir=str(tmp_path))
     sched = _run(scenario, V1StyleEngine(scenario.config), checker)
     assert sched.stats.resumptions > 0 and checker.step_index == sched.stats.steps
 
 
 def test_the_reproduction_fails_the_same_way_in_a_fresh_interpreter(tmp_path: Path) -> None:
-    scenario = _scenario(0)
+    scenario = vllm_stress_scenario(0)
     checker = ShadowChecker(scenario.config, repro_dir=tmp_path)
     with pytest.raises(ShadowMismatchError) as caught:
         _run(scenario, V1StyleEngine(scenario.config, bug="swap_keeps_block_table"), checker)
