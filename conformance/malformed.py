@@ -178,22 +178,26 @@ def _foreign_new_request(out: SchedulerOutput, live: Sequence[str], rng: random.
     """new_requests holding a request's fields as a tuple, or a CachedRequest of the same id."""
     if not out.new_requests:
         return None
-    news: list[Any] = list(out.new_requests)
-    i = rng.randrange(len(news))
-    new = news[i]
-    news[i] = rng.choice(((new.req_id, new.prompt_token_ids, new.block_ids), CachedRequest(new.req_id, 0)))
-    return edit(out, new_requests=tuple(news))
+    news = _one_replaced(out.new_requests, rng, lambda r: ((r.req_id, r.prompt_token_ids, r.block_ids),
+                                                              CachedRequest(r.req_id, 0)))  # fmt: skip
+    return edit(out, new_requests=news)
 
 
 def _foreign_cached_request(out: SchedulerOutput, live: Sequence[str], rng: random.Random) -> SchedulerOutput | None:
     """cached_requests (as a tuple) holding a request's fields as a tuple, or a NewRequest of the same id."""
     if not out.cached_requests:
         return None
-    cached: list[Any] = list(out.cached_requests)
-    i = rng.randrange(len(cached))
-    req = cached[i]
-    cached[i] = rng.choice(((req.req_id, req.num_computed_tokens), NewRequest(req.req_id, (0,), ((),))))
-    return edit(out, cached_requests=tuple(cached))
+    cached = _one_replaced(out.cached_requests, rng, lambda r: ((r.req_id, r.num_computed_tokens),
+                                                                   NewRequest(r.req_id, (0,), ((),))))  # fmt: skip
+    return edit(out, cached_requests=cached)
+
+
+def _one_replaced(requests: Sequence[Any], rng: random.Random, foreign: Callable[[Any], tuple[Any, ...]]) -> tuple:
+    """`requests` with one of them replaced by one of its `foreign(request)` stand-ins."""
+    items = list(requests)
+    i = rng.randrange(len(items))
+    items[i] = rng.choice(foreign(items[i]))
+    return tuple(items)
 
 
 def _columns(out: SchedulerOutput) -> CachedRequestColumns | None:
