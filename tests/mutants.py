@@ -271,7 +271,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "fp8-value-scale-not-applied",
         "fp8 KV caches: attention reads decode(code) * v_scale (FlashInfer: out *= v_scale)",
         "fast/cpu/attention.py",
-        "inv = v_scale[h0 + (r % (heads * group)) // group] / total[r]",
+        "inv = v_scale[h] / total[r]",
         "inv = np.float32(1.0) / total[r]",
         (FP8_FAST,),
     ),
@@ -287,9 +287,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "fp8-scale-by-query-head",
         "fp8 KV caches: query head h reads the scale of KV head h // (num_heads // num_kv_heads)",
         "fast/cpu/attention.py",
-        "_logits(s, q, key[at : at + head_dim], r0, r0 + group, j, scale * k_scale[kv_head])",
-        "_logits(s, q, key[at : at + head_dim], r0, r0 + group, j,\n"
-        "                            scale * k_scale[(h0 * group + r0 % (heads * group)) % k_scale.shape[0]])",
+        "ks = scale * k_scale[h]",
+        "ks = scale * k_scale[(h * group) % k_scale.shape[0]]",
         (FP8_FAST,),
     ),
     Mutant(

@@ -1,21 +1,20 @@
-"""Paged attention on CPU tensors: one compiled kernel that reads K and V blocks where they lie.
+"""Paged attention on CPU tensors: compiled kernels that read K and V blocks where they lie.
 
-A work item is (batch row, tile of up to `query_tile(group)` of its queries, KV head); the kernels are serial
-and release the GIL, and fast.cpu.threads runs each on cost-balanced shares of its items, one share per
-thread torch uses. An item holds the tile's queries for
-every query head of its KV head as the rows of one small matrix (GQA: each key is read once for the whole
-group), walks the visible key positions block by block through the block table (from the window start of
-its first query to its last query's position), and keeps an online softmax per row in float32: per block,
-the logits (q.k times scale, soft-capped), a running max, the rescaled sum and the rescaled P.V accumulator.
-Keys a row may not see inside the walked range (causal within the tile, the window of later queries) get
--inf before the softmax; keys outside the range are never read, so unwritten slots may hold anything.
+Rows of one query (decode) take fast.cpu.decode's kernel; rows of several queries (prefill, drafts, chunks
+of a prompt) take `_attention_kernel` here, both in the same call, after plan_items' checks. A work item of
+the latter is (batch row, tile of up to `query_tile(group)` of its queries, KV head): it holds the tile's
+queries for every query head of its KV head as the rows of one small matrix (GQA: each key is read once for
+the whole group), walks the visible key positions block by block through the block table (from the window
+start of its first query to its last query's position), and keeps an online softmax per row in float32:
+per block, the logits of 4 rows x 4 keys per pass over head_dim (fast.cpu.decode.dots4x4), soft-cap, a
+running max, the rescaled sum, and P.V added 4 values x 4 rows per pass (weigh4x4). Keys a row may not see
+inside the walked range (causal within the tile, the window of earlier queries) get -inf before the
+softmax; keys outside the range are never read, so unwritten slots may hold anything. The kernels are
+serial and release the GIL; fast.cpu.threads runs each on cost-balanced shares of its items, one share per
+thread torch uses.
 
-Rows of several queries take this loop (soft-capped or non-finite ones; the others fast.cpu.prefill hands
-to torch's SDPA after one gather: there the matrix products, not the reads, are the cost, and SDPA's are
-several times faster). Decode rows (one query) take fast.cpu.decode's kernel, register-blocked over four
-keys and four query heads at a time, in the same call (both after plan_items' checks). Cache
-elements are widened to float32 as they are loaded (fast.cpu.lanes), so a float16 or bfloat16 cache is
-never converted in memory. Non-finite inputs follow IEEE arithmetic as spec does: a NaN in a row's
+Cache elements are widened to float32 as they are loaded (fast.cpu.lanes), so a float16 or bfloat16 cache
+is never converted in memory. Non-finite inputs follow IEEE arithmetic as spec does: a NaN in a row's
 visible logits makes the row NaN.
 
 fp8 caches are read in place too: their codes are widened to float32 as they are loaded (fast.cpu.lanes:
@@ -29,15 +28,15 @@ import numpy as np
 import torch
 from numba import njit
 
-from fast.cpu.decode import decode_kernel
-from fast.cpu.lanes import exp, tanh, widen
-from fast.cpu.prefill import prefill_sdpa, sdpa_rows
+from fast.cpu.decode import decode_kernel, dots4x4, weigh1, weigh4x4
+from fast.cpu.lanes import exp, maximum, tanh
 from fast.cpu.threads import run_shares
 from spec.fp8 import Fp8Format
 
 # reassociation lets LLVM vectorise the dot products and sums; no nnan/ninf, so NaN and inf stay IEEE
 FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
 TILE_ROWS = 32  # query rows (tile queries x group) an item aims for: K and V are re-read once per tile
+ITEM_FIELDS = 6  # batch_idx, query tokens [t0, t1), first key position, position of query t0, KV head
 
 
 def query_tile(group: int) -> int:
@@ -70,11 +69,6 @@ def paged_attention_cpu(
     table, lens, starts = (t.numpy() for t in (block_table, seq_lens, query_start_loc))
     items = plan_items(lens, starts, table, query.shape[0], num_blocks, block_size, num_kv_heads, query_tile(group),
                        sliding_window or 0)  # fmt: skip
-    prefill = sdpa_rows(query, starts, scale=scale, softcap=softcap)  # [k] rows torch's SDPA computes faster
-    if prefill.size:
-        prefill_sdpa(out, query, key_cache, value_cache, table, lens, starts, prefill, scale=scale,
-                     sliding_window=sliding_window, fmt=fmt, k_scale=k_scales, v_scale=v_scales)  # fmt: skip
-        items = items[~np.isin(items[:, 0], prefill)]
     decode_rows = np.flatnonzero(np.diff(starts.astype(np.int64)) == 1)  # [n] batch_idx: fast.cpu.decode's rows
     if items.shape[0] == 0 and decode_rows.size == 0:
         return
@@ -150,7 +144,7 @@ def plan_items(  # pragma: no cover - compiled; tested through its results
                     raise ValueError("paged_attention: block_table holds a block id outside the cache")
         num_q = q_end - q_start
         count += 0 if num_q == 1 else num_kv_heads * ((num_q + tile - 1) // tile)
-    items = np.empty((count, 7), np.int64)
+    items = np.empty((count, ITEM_FIELDS), np.int64)
     i = 0
     for b in range(num_reqs):
         q_start, q_end, seq_len = query_start_loc[b], query_start_loc[b + 1], seq_lens[b]
@@ -166,7 +160,6 @@ def plan_items(  # pragma: no cover - compiled; tested through its results
                 items[i, 3] = 0 if window == 0 else max(0, pos - window + 1)
                 items[i, 4] = pos
                 items[i, 5] = h
-                items[i, 6] = h + 1
                 i += 1
     return items
 
@@ -175,12 +168,12 @@ def plan_items(  # pragma: no cover - compiled; tested through its results
 def _attention_kernel(  # pragma: no cover - compiled; tested through its results
     out: np.ndarray,  # [T, num_heads, head_dim] float32, written for the items' query rows
     query: np.ndarray,  # [T, num_heads, head_dim] float32
-    key: np.ndarray,  # [span] cache elements (float32, or float16/bfloat16 bits), addressed with strides
+    key: np.ndarray,  # [span] cache elements (float32, float16/bfloat16 bits, fp8 codes), addressed with strides
     value: np.ndarray,  # [span] the value cache, the same strides
     strides: np.ndarray,  # [3] int64: block, slot in block, KV head (elements)
-    block_table: np.ndarray,  # [num_reqs, max_blocks] batch_idx -> physical block ids
-    items: np.ndarray,  # [num_items, 7] int64: batch_idx, query tokens [t0, t1), first key position,
-    #                     position of query t0, KV heads [h0, h1)
+    block_table: np.ndarray,  # [num_reqs, max_blocks] batch_idx -> physical block ids (checked by plan_items)
+    items: np.ndarray,  # [num_items, ITEM_FIELDS] int64: batch_idx, query tokens [t0, t1), first key position,
+    #                     position of query t0, KV head
     group: int,  # query heads per KV head
     head_dim: int,
     block_size: int,
@@ -192,118 +185,75 @@ def _attention_kernel(  # pragma: no cover - compiled; tested through its result
 ) -> None:
     neg_inf = np.float32(-np.inf)
     for it in range(items.shape[0]):
-        b, t0, t1, k_lo, p0, h0, h1 = (items[it, 0], items[it, 1], items[it, 2], items[it, 3], items[it, 4],
-                                       items[it, 5], items[it, 6])  # fmt: skip
-        heads = h1 - h0
-        rows = (t1 - t0) * heads * group  # row r: query t0 + r // (heads * group), query head h0 * group + r % ...
+        b, t0, t1, k_lo, p0, h = items[it, 0], items[it, 1], items[it, 2], items[it, 3], items[it, 4], items[it, 5]
+        rows = (t1 - t0) * group  # row r: query t0 + r // group, query head h * group + r % group
         k_hi = p0 + (t1 - t0)  # one past the last query's position
         q = np.empty((rows, head_dim), np.float32)  # [rows, head_dim]
         for r in range(rows):
-            for d in range(head_dim):
-                q[r, d] = query[t0 + r // (heads * group), h0 * group + r % (heads * group), d]
+            q[r, :] = query[t0 + r // group, h * group + r % group]
         s = np.empty((rows, block_size), np.float32)  # [rows, block_size] this block's logits, then weights
         acc = np.zeros((rows, head_dim), np.float32)  # [rows, head_dim] P.V, not yet divided by the sum
         m = np.full(rows, neg_inf, np.float32)  # [rows] running max of the logits
         total = np.zeros(rows, np.float32)  # [rows] running sum of exp(logit - m)
+        ks = scale * k_scale[h]
+        ss = strides[1]
         for blk in range(k_lo // block_size, (k_hi - 1) // block_size + 1):
             first = blk * block_size  # position of the block's slot 0
             j0, j1 = max(k_lo, first) - first, min(k_hi, first + block_size) - first
-            block_at = block_table[b, blk] * strides[0]
-            for j in range(j0, j1):
-                for r0 in range(0, rows, group):  # the group of query heads that reads one KV head
-                    kv_head = h0 + (r0 // group) % heads
-                    at = block_at + j * strides[1] + kv_head * strides[2]
-                    # a slice, indexed by the loop variable: Numba then knows the index is not negative and
-                    # drops its wraparound select, which had kept LLVM from vectorising (4x slower)
-                    _logits(s, q, key[at : at + head_dim], r0, r0 + group, j, scale * k_scale[kv_head])
+            at = block_table[b, blk] * strides[0] + h * strides[2]  # slot 0 of this block and KV head
+            for j in range(j0, j1, 4):
+                # a partial quad of keys or rows repeats its last: the repeated logits are written twice, never summed
+                ja, jb, jc, jd = j, min(j + 1, j1 - 1), min(j + 2, j1 - 1), min(j + 3, j1 - 1)
+                k0 = key[at + ja * ss : at + ja * ss + head_dim]
+                k1 = key[at + jb * ss : at + jb * ss + head_dim]
+                k2 = key[at + jc * ss : at + jc * ss + head_dim]
+                k3 = key[at + jd * ss : at + jd * ss + head_dim]
+                for r in range(0, rows, 4):
+                    rb, rc, rd = min(r + 1, rows - 1), min(r + 2, rows - 1), min(r + 3, rows - 1)
+                    dots4x4(s, q[r], q[rb], q[rc], q[rd], k0, k1, k2, k3, r, rb, rc, rd, ja, jb, jc, jd, ks)
             for r in range(rows):
-                pos = p0 + r // (heads * group)
+                pos = p0 + r // group
+                sr = s[r, j0:j1]
+                if softcap != 0:
+                    for j in range(sr.shape[0]):
+                        sr[j] = softcap * tanh(sr[j] / softcap)
+                # the walked range holds keys a row may not see: past its position (causal within the tile) and
+                # before its window (for the tile's earlier queries); they get -inf
+                lo = 0 if window == 0 else pos - window + 1 - (first + j0)
+                hi = pos + 1 - (first + j0)
                 row_max = m[r]
-                for j in range(j0, j1):
-                    x = s[r, j]
-                    if softcap != 0:
-                        x = softcap * tanh(x / softcap)
-                    seen = first + j <= pos and (window == 0 or first + j > pos - window)
-                    x = x if seen else neg_inf
-                    s[r, j] = x
-                    row_max = x if x > row_max else row_max  # a NaN logit never becomes the max: it stays in s
-                if row_max == neg_inf:  # nothing of this block visible to the row (yet)
-                    for j in range(j0, j1):
-                        s[r, j] = 0.0
+                for j in range(sr.shape[0]):
+                    x = sr[j] if (j < hi and j >= lo) else neg_inf
+                    sr[j] = x
+                    row_max = maximum(x, row_max)  # NaN-propagating: a NaN logit makes the row NaN
+                if row_max == neg_inf:  # nothing of this block visible to the row (yet): weights 0
+                    sr[:] = 0.0
                     continue
                 alpha = exp(m[r] - row_max)
                 block_sum = np.float32(0.0)
-                for j in range(j0, j1):
-                    p = exp(s[r, j] - row_max)
-                    s[r, j] = p
+                for j in range(sr.shape[0]):
+                    p = exp(sr[j] - row_max)
+                    sr[j] = p
                     block_sum += p
                 total[r] = total[r] * alpha + block_sum
                 m[r] = row_max
                 if alpha != 1.0:
+                    ar = acc[r]
                     for d in range(head_dim):
-                        acc[r, d] *= alpha
-            for j in range(j0, j1):
-                for r0 in range(0, rows, group):
-                    at = block_at + j * strides[1] + (h0 + (r0 // group) % heads) * strides[2]
-                    _accumulate(acc, s, value[at : at + head_dim], r0, r0 + group, j)
+                        ar[d] *= alpha
+            j = j0
+            while j < j1:
+                quad = j + 4 <= j1
+                for r in range(0, rows, 4):
+                    if quad and r + 4 <= rows:
+                        weigh4x4(acc, s, value, at, ss, r, j, head_dim)
+                    else:
+                        for rr in range(r, min(r + 4, rows)):
+                            for jj in range(j, min(j + 4, j1)):
+                                weigh1(acc[rr], s[rr, jj], value[at + jj * ss : at + jj * ss + head_dim])
+                j += 4
         for r in range(rows):
-            inv = v_scale[h0 + (r % (heads * group)) // group] / total[r]
+            inv = v_scale[h] / total[r]
+            o, ar = out[t0 + r // group, h * group + r % group], acc[r]
             for d in range(head_dim):
-                out[t0 + r // (heads * group), h0 * group + r % (heads * group), d] = acc[r, d] * inv
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _logits(  # pragma: no cover - compiled
-    s: np.ndarray,  # [rows, block_size] float32, column j written for rows [r_lo, r_hi)
-    q: np.ndarray,  # [rows, head_dim] float32
-    k_row: np.ndarray,  # [head_dim] one key (cache elements)
-    r_lo: int,
-    r_hi: int,
-    j: int,
-    scale: np.float32,
-) -> None:
-    """s[r, j] = q[r] . k_row * scale: four rows per pass over the key (one load feeds four products)."""
-    r = r_lo
-    while r + 4 <= r_hi:
-        a0 = a1 = a2 = a3 = np.float32(0.0)
-        for d in range(k_row.shape[0]):
-            k = widen(k_row[d])
-            a0 += q[r, d] * k
-            a1 += q[r + 1, d] * k
-            a2 += q[r + 2, d] * k
-            a3 += q[r + 3, d] * k
-        s[r, j], s[r + 1, j], s[r + 2, j], s[r + 3, j] = a0 * scale, a1 * scale, a2 * scale, a3 * scale
-        r += 4
-    while r < r_hi:
-        a0 = np.float32(0.0)
-        for d in range(k_row.shape[0]):
-            a0 += q[r, d] * widen(k_row[d])
-        s[r, j] = a0 * scale
-        r += 1
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _accumulate(  # pragma: no cover - compiled
-    acc: np.ndarray,  # [rows, head_dim] float32, rows [r_lo, r_hi) updated
-    p: np.ndarray,  # [rows, block_size] float32 weights
-    v_row: np.ndarray,  # [head_dim] one value (cache elements)
-    r_lo: int,
-    r_hi: int,
-    j: int,
-) -> None:
-    """acc[r] += p[r, j] * v_row: four rows per pass over the value."""
-    r = r_lo
-    while r + 4 <= r_hi:
-        p0, p1, p2, p3 = p[r, j], p[r + 1, j], p[r + 2, j], p[r + 3, j]
-        for d in range(v_row.shape[0]):
-            v = widen(v_row[d])
-            acc[r, d] += p0 * v
-            acc[r + 1, d] += p1 * v
-            acc[r + 2, d] += p2 * v
-            acc[r + 3, d] += p3 * v
-        r += 4
-    while r < r_hi:
-        p0 = p[r, j]
-        for d in range(v_row.shape[0]):
-            acc[r, d] += p0 * widen(v_row[d])
-        r += 1
+                o[d] = ar[d] * inv

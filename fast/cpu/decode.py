@@ -2,7 +2,7 @@
 
 One work item is one batch row, all its KV heads (in fast's layout `[block, slot, kv_head, dim]` a slot's
 keys for every head are one contiguous run, so the item streams each block front to back). Per block it
-computes the logits of 4 keys x 4 query heads of a KV head at a time (`_dots`: 16 products per pass over
+computes the logits of 4 keys x 4 query heads of a KV head at a time (`dots4x4`: 16 products per pass over
 head_dim, each key and query row loaded once per pass, so LLVM keeps the 16 sums in vector registers), then
 the online softmax of each query head over the block's keys (soft-cap, exp: vectorised loops over the
 keys, no masks: a decode row sees every key of its walked range), then adds 4 weighted values at a time to
@@ -77,7 +77,7 @@ def decode_kernel(  # pragma: no cover - compiled; tested through its results
                     for g in range(0, group, 4):
                         r, last = h * group + g, h * group + group - 1  # a partial quad of rows repeats its last
                         rb, rc, rd = min(r + 1, last), min(r + 2, last), min(r + 3, last)
-                        _dots(s, q[r], q[rb], q[rc], q[rd], k0, k1, k2, k3, r, rb, rc, rd, ja, jb, jc, jd,
+                        dots4x4(s, q[r], q[rb], q[rc], q[rd], k0, k1, k2, k3, r, rb, rc, rd, ja, jb, jc, jd,
                               scale * k_scale[h])  # fmt: skip
             for r in range(num_heads):
                 # a slice indexed by the loop variable from 0: Numba then knows the index is not negative and
@@ -117,11 +117,11 @@ def decode_kernel(  # pragma: no cover - compiled; tested through its results
                     for g in range(0, group, 4):
                         r = h * group + g
                         if quad and g + 4 <= group:
-                            _weigh4(acc, s, value, at, strides[1], r, j, head_dim)
+                            weigh4x4(acc, s, value, at, strides[1], r, j, head_dim)
                         else:
                             for rr in range(r, min(r + 4, h * group + group)):
                                 for jj in range(j, min(j + 4, j1)):
-                                    _weigh1(acc[rr], s[rr, jj], value[at + jj * strides[1] : at + jj * strides[1]
+                                    weigh1(acc[rr], s[rr, jj], value[at + jj * strides[1] : at + jj * strides[1]
                                                                       + head_dim])  # fmt: skip
                 j += 4
         for r in range(num_heads):
@@ -132,7 +132,7 @@ def decode_kernel(  # pragma: no cover - compiled; tested through its results
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _dots(  # pragma: no cover - compiled
+def dots4x4(  # pragma: no cover - compiled
     s: np.ndarray,  # [num_heads, block_size] float32, the 4 x 4 logits written
     qa: np.ndarray,  # [head_dim] float32, query rows ra..rd
     qb: np.ndarray,
@@ -185,7 +185,7 @@ def _dots(  # pragma: no cover - compiled
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _weigh4(  # pragma: no cover - compiled
+def weigh4x4(  # pragma: no cover - compiled
     acc: np.ndarray,  # [num_heads, head_dim] float32, rows r..r+3 updated
     p: np.ndarray,  # [num_heads, block_size] float32 weights
     value: np.ndarray,  # [span] cache elements
@@ -215,7 +215,7 @@ def _weigh4(  # pragma: no cover - compiled
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _weigh1(  # pragma: no cover - compiled
+def weigh1(  # pragma: no cover - compiled
     acc_row: np.ndarray,  # [head_dim] float32, updated
     p: np.float32,
     v_row: np.ndarray,  # [head_dim] cache elements
