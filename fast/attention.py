@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fast.cpu.attention import paged_attention_cpu
+from fast.cpu.attention import as_float32, narrowed, paged_attention_cpu
 from fast.fp8 import codes, scale_tensor
 from fast.runtime import use_triton
 from spec.attention import check_attention_inputs
@@ -71,8 +71,7 @@ def paged_attention(
             v_scale=v_scales,
         )  # fmt: skip
         return out
-    # the CPU kernel reads and writes float32 rows; a float32 query is used as it lies
-    query32 = query.detach().to(torch.float32).contiguous()
+    query32 = as_float32(query.detach())  # the CPU kernels read and write float32 rows
     # padding rows past query_start_loc[-1] stay zero; NumPy's zeros (calloc) rather than torch's parallel fill:
     # at two threads on a busy machine each torch parallel region waits for a second core (several ms per call)
     out32 = torch.from_numpy(np.zeros(query32.shape, np.float32))
@@ -81,7 +80,7 @@ def paged_attention(
         scale=float(scale), sliding_window=sliding_window, softcap=softcap, fmt=fmt, k_scale=k_values,
         v_scale=v_values,
     )  # fmt: skip
-    return out32 if query.dtype == torch.float32 else out32.to(query.dtype)
+    return narrowed(out32, query.dtype)
 
 
 def check_attention_tensors(*tensors: torch.Tensor) -> None:

@@ -278,3 +278,22 @@ def test_paged_attention_refuses_reads_outside_the_tensors(bad: str) -> None:
         qsl[-1] = q.shape[0] + 1
     with interpret(False), pytest.raises(ValueError, match="paged_attention"):
         paged_attention(q, k, v, bt, sl, qsl, scale=0.5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cpu_conversions_to_and_from_float32_round_as_torch_does(dtype: torch.dtype) -> None:
+    """fast.cpu.attention converts the query and the output with NumPy (no torch parallel region): bit for bit
+    torch's conversion, ties to even, overflow, subnormals and signed zeros included; NaN stays NaN."""
+    from fast.cpu.attention import as_float32, narrowed
+
+    gen = torch.Generator().manual_seed(0)
+    magnitudes = 10.0 ** torch.randint(-45, 39, (20000,), generator=gen).double()
+    values = (torch.randn(20000, generator=gen, dtype=torch.float64) * magnitudes).float()
+    ties = torch.tensor([1.00390625, 1.01171875, -1.00390625, 65520.0, 3.3961776e38, -0.0, 0.0, float("inf")])
+    values = torch.cat([values, ties, torch.tensor([float("nan"), -float("nan")])]).reshape(-1, 2, 5)
+    mine, torchs = narrowed(values.clone(), dtype), values.to(dtype)
+    finite = ~values.isnan()
+    assert torch.equal(mine.view(torch.int16)[finite], torchs.view(torch.int16)[finite])
+    assert mine.isnan().equal(values.isnan())
+    assert torch.equal(as_float32(torchs).view(torch.int32)[finite], torchs.float().view(torch.int32)[finite])
+    assert as_float32(torchs).isnan().equal(values.isnan())
