@@ -1,4 +1,5 @@
-"""spec.fp8 on torch tensors: fp8 KV-cache codes, quantized and dequantized with torch's float8 conversions.
+"""spec.fp8 on torch tensors: fp8 KV-cache codes, quantized with torch's float8 conversions (the kernels decode
+as they load).
 
 An fp8 cache is given to fast either as uint8 codes (vLLM's caches, and what NumPy can hold) or as a tensor
 of torch's float8 dtype of the format (float8_e4m3fn for "fp8" / "fp8_e4m3", float8_e5m2 for "fp8_e5m2");
@@ -36,14 +37,6 @@ def quantize(
 ) -> torch.Tensor:  # [T, num_kv_heads, head_dim] uint8 codes
     scaled = x.to(torch.float32) / scales[None, :, None]  # float32 division, correctly rounded
     return scaled.clamp(-fmt.max_value, fmt.max_value).to(torch_dtype(fmt)).view(torch.uint8)
-
-
-def dequantize(
-    code: torch.Tensor,  # [..., num_kv_heads, head_dim] uint8
-    fmt: Fp8Format,
-    scales: torch.Tensor,  # [num_kv_heads] float32
-) -> torch.Tensor:  # [..., num_kv_heads, head_dim] float32: decode(code) * scale, rounded once to float32
-    return code.view(torch_dtype(fmt)).to(torch.float32) * scales[:, None]
 
 
 def scale_tensor(values: np.ndarray, device: torch.device) -> torch.Tensor:  # [num_kv_heads] float32

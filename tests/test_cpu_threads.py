@@ -94,4 +94,4 @@ def test_concurrent_kernel_calls_from_two_python_threads(monkeypatch: pytest.Mon
     for i in range(2):
         assert len(results[i]) == 20
         assert all(torch.equal(r, expected[i]) for r in results[i]), f"batch {i}: a concurrent result differs"
-    assert max(split) == 2, split  # the calls were split: the pool's share was computed too
+    assert max(split) >= 2, split  # the calls were split: shares were handed to the pool too

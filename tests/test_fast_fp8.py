@@ -217,8 +217,8 @@ def test_paged_attention_reads_torch_float8_caches(mode: str, kv_cache_dtype: st
 
 
 def test_paged_attention_fp8_engine_shape() -> None:
-    """vLLM's CPU shape (blocks of 32, head_dim 128, GQA 4): the compiled kernel's decode items over all KV heads,
-    and the SDPA path's dequantized gather, both with per-head scales."""
+    """vLLM's CPU shape (blocks of 32, head_dim 128, GQA 4): the compiled decode kernel over all KV heads and the
+    kernel of rows of several queries, both with per-head scales."""
     with interpret(False):
         for kv_cache_dtype in KV_DTYPES:
             check_fp8_attention("engine", kv_cache_dtype, torch.bfloat16, "per-head", "uint8")

@@ -6,7 +6,7 @@ computes the logits of 4 keys x 4 query heads of a KV head at a time (`dots4x4`:
 head_dim, each key and query row loaded once per pass, so LLVM keeps the 16 sums in vector registers), then
 the online softmax of each query head over the block's keys (soft-cap, exp: vectorised loops over the
 keys, no masks: a decode row sees every key of its walked range), then adds 4 weighted values at a time to
-4 accumulator rows (`_weigh`: one load and one store of an accumulator row per 4 values). The kernel is
+4 accumulator rows (`weigh4x4`: one load and one store of an accumulator row per 4 values). The kernel is
 serial and releases the GIL: fast.cpu.threads runs it on shares of the rows, one per thread.
 
 Cache elements are widened as they are loaded (fast.cpu.lanes.widen: float32, bfloat16/float16 bits, fp8
@@ -78,7 +78,7 @@ def decode_kernel(  # pragma: no cover - compiled; tested through its results
                         r, last = h * group + g, h * group + group - 1  # a partial quad of rows repeats its last
                         rb, rc, rd = min(r + 1, last), min(r + 2, last), min(r + 3, last)
                         dots4x4(s, q[r], q[rb], q[rc], q[rd], k0, k1, k2, k3, r, rb, rc, rd, ja, jb, jc, jd,
-                              scale * k_scale[h])  # fmt: skip
+                                scale * k_scale[h])  # fmt: skip
             for r in range(num_heads):
                 # a slice indexed by the loop variable from 0: Numba then knows the index is not negative and
                 # drops its wraparound select, which would keep LLVM from vectorising the loop

@@ -1,10 +1,10 @@
 """Threads for fast's CPU kernels: serial compiled kernels, each run on a cost-balanced share of the work.
 
-The kernels are single-threaded Numba functions that release the GIL (`nogil=True`). `run_shares` splits a
-call's work items into as many contiguous shares as torch has threads (`torch.get_num_threads()`), balanced
-by each item's cost, runs the first share on the calling thread and the others on a process-wide pool of
-Python threads, and returns when all are done. Items write disjoint output rows, so the result does not
-depend on the split: it is bit for bit the result of one thread.
+The kernels are single-threaded Numba functions that release the GIL (`nogil=True`). `run_shares` cuts a
+call's work items into contiguous shares of about equal cost, a few per thread torch uses
+(`torch.get_num_threads()`), and hands them out one at a time to the calling thread and to a process-wide
+pool of Python threads; it returns when every share is done. Items write disjoint output rows, so the
+result does not depend on the split: it is bit for bit the result of one thread.
 
 Why not Numba's `parallel=True` (prange), which the kernels used before:
 - Code loaded from Numba's disk cache was 2.6-3x slower than the code the same process compiles. A
@@ -22,7 +22,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -30,6 +30,7 @@ import torch
 # a share of fewer query-head x key products (about 17 ns each at one thread) does not repay the hand-off to a
 # pool thread (tens of microseconds)
 MIN_SHARE_COST = 1 << 15
+SHARES_PER_THREAD = 4  # shares a call is cut into per thread, so that a thread that starts late takes fewer
 
 _pool: ThreadPoolExecutor | None = None
 _pool_size = 0
@@ -48,15 +49,57 @@ def shares(costs: np.ndarray, threads: int) -> list[slice]:  # costs: [num_items
 
 
 def run_shares(work: Callable[[np.ndarray], None], items: np.ndarray, costs: np.ndarray) -> None:
-    """work(items[share]) for each share of the items (`costs`: [num_items], their work), the first share on
-    this thread and the others on the pool; all are finished on return, and a share's error is raised here."""
-    parts = shares(costs, torch.get_num_threads())
-    futures: list[Future[None]] = [_executor(len(parts) - 1).submit(work, items[s]) for s in parts[1:]]
-    try:
-        work(items[parts[0]])
-    finally:
-        for f in futures:
-            f.result()
+    """work(items[share]) for every share of the items (`costs`: [num_items], their work), handed out one at a
+    time to this thread and to the pool's; all are finished on return, and a share's error is raised here."""
+    threads = torch.get_num_threads()
+    call = _Call(work, items, shares(costs, threads * SHARES_PER_THREAD))
+    if len(call.parts) > 1:
+        pool = _executor(threads - 1)
+        for _ in range(min(threads, len(call.parts)) - 1):
+            pool.submit(call.run)
+    call.run()
+    call.wait()
+
+
+class _Call:
+    """One call's shares, handed out in order to whichever thread asks next.
+
+    A pool thread that wakes after the calling thread has taken the last share finds nothing left and
+    returns: the call waits only for shares that were taken. On this 2-core VM a sleeping thread took up
+    to milliseconds to wake, so with one share per thread fixed in advance a call waited for its latest
+    thread (decode 64 x 1024, window 256: no faster at two threads than at one).
+    """
+
+    def __init__(self, work: Callable[[np.ndarray], None], items: np.ndarray, parts: list[slice]) -> None:
+        self.work, self.items, self.parts = work, items, parts
+        self.taken = self.done = 0
+        self.error: BaseException | None = None
+        self.lock = threading.Lock()
+        self.finished = threading.Condition(self.lock)
+
+    def run(self) -> None:
+        while True:
+            with self.lock:
+                if self.taken == len(self.parts) or self.error is not None:
+                    return
+                part = self.parts[self.taken]
+                self.taken += 1
+            try:
+                self.work(self.items[part])
+            except BaseException as exc:
+                with self.lock:
+                    self.error = exc
+            finally:
+                with self.lock:
+                    self.done += 1
+                    self.finished.notify_all()
+
+    def wait(self) -> None:
+        with self.lock:
+            while self.done < self.taken:
+                self.finished.wait()
+        if self.error is not None:
+            raise self.error
 
 
 def _executor(workers: int) -> ThreadPoolExecutor:

@@ -173,8 +173,9 @@ def render(json_paths: list[Path], page: Path, img_dir: Path) -> None:
         "## What is measured",
         "",
         "- **Providers.** `spec`: the NumPy reference. `fast`: the torch implementation on CPU tensors (host "
-        "stages as NumPy and Numba-compiled loops over memory its tensors share; attention as one Numba-compiled "
-        "kernel reading the paged cache in place, write_kv as NumPy row copies). "
+        "stages as NumPy and Numba-compiled loops over memory its tensors share; attention as Numba-compiled "
+        "kernels reading the paged cache in place, one for decode rows and one for rows of several queries, on "
+        "cost-balanced shares across torch's thread count; write_kv as NumPy row copies). "
         "`fast-cuda`: the same on a CUDA device (Triton kernels), when one is present. `numpy-vectorised`: "
         "persistent NumPy arrays and `np.repeat`/`cumsum` index arithmetic with flat gathers and no validation, as "
         "vLLM v1's CPU input preparation does: the strongest CPU peer. `python-lists`: per-token Python lists turned "
@@ -185,7 +186,9 @@ def render(json_paths: list[Path], page: Path, img_dir: Path) -> None:
         "`compute_slot_mapping_kernel_impl`, C++ with AVX-512, AMX for bfloat16 where the CPU has it) on the same "
         "data in vLLM's cache layout, converted before timing; measured by `benchmarks/test_cpu_kernels.py` where "
         "vLLM is installed, fast's rounds interleaved with vLLM's, at the thread count the workload name ends in "
-        "(`-t1`, `-t2`).",
+        "(`-t1`, `-t2`); at two threads each attention round starts after 10 ms idle, since libgomp's workers spin "
+        "for milliseconds after a parallel region on the core the next round needs (benchmarks/test_cpu_kernels.py "
+        "says what that gap changes).",
         "- **Workloads.** `decode-N`: N running requests, one token each, contexts uniform in 1k–4k tokens. "
         "`prefill-PxL`: P new prompts of L tokens each step (last step's finish). `mixed-N+PxL`: both. `-g3`: three KV "
         "cache groups (block sizes 16 and 32, and a sliding-window group of 16) instead of one. Block ids are a "
