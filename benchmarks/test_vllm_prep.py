@@ -109,17 +109,20 @@ def _live(w: LiveWorkload) -> Iterator[tuple[Any, list[StepRecord]]]:
     )  # fmt: skip
     args.update(w.engine)
     let_vllm_scan_modules_beside_numba()  # fast (numba) is loaded in this process
-    llm = LLM(**args)
+    threads = torch.get_num_threads()
+    llm = LLM(**args)  # vLLM's CPU worker sets torch's thread count to its cores; the replay keeps the run's
     try:
         shadow = attach(llm)
         params = SamplingParams(max_tokens=w.max_tokens, ignore_eos=True, detokenize=False, temperature=0.0)
         llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in w.prompts], params, use_tqdm=False)
         shadow.detach()
+        torch.set_num_threads(threads)
         yield shadow.runner, shadow.records
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()
+        torch.set_num_threads(threads)
 
 
 class _VllmReplay:
