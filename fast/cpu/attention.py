@@ -10,8 +10,8 @@ per block, the logits of 4 rows x 4 keys per pass over head_dim (fast.cpu.decode
 running max, the rescaled sum, and P.V added 4 values x 4 rows per pass (weigh4x4). Keys a row may not see
 inside the walked range (causal within the tile, the window of earlier queries) get -inf before the
 softmax; keys outside the range are never read, so unwritten slots may hold anything. The kernels are
-serial and release the GIL; fast.cpu.threads runs each on cost-balanced shares of its items, one share per
-thread torch uses.
+serial and release the GIL; fast.cpu.threads hands each kernel's rows or items out in cost-balanced shares
+to the calling thread and its pool, as many threads as torch uses.
 
 Cache elements are widened to float32 as they are loaded (fast.cpu.lanes), so a float16 or bfloat16 cache
 is never converted in memory. Non-finite inputs follow IEEE arithmetic as spec does: a NaN in a row's

@@ -7,7 +7,7 @@ head_dim, each key and query row loaded once per pass, so LLVM keeps the 16 sums
 the online softmax of each query head over the block's keys (soft-cap, exp: vectorised loops over the
 keys, no masks: a decode row sees every key of its walked range), then adds 4 weighted values at a time to
 4 accumulator rows (`weigh4x4`: one load and one store of an accumulator row per 4 values). The kernel is
-serial and releases the GIL: fast.cpu.threads runs it on shares of the rows, one per thread.
+serial and releases the GIL: fast.cpu.threads hands its rows out in shares to as many threads as torch uses.
 
 Cache elements are widened as they are loaded (fast.cpu.lanes.widen: float32, bfloat16/float16 bits, fp8
 codes), and fp8 scales apply per KV head (logits times scale * k_scale[h], output times v_scale[h]).
