@@ -30,6 +30,7 @@ CP_UNIT = "tests/test_context_parallel.py"
 MAMBA = "conformance/test_mamba.py"
 TINY_HYBRID = "tests/test_tiny_hybrid.py"
 FP8_FAST = "tests/test_fast_fp8.py"
+ATTENTION_FAST = "tests/test_fast_attention.py"
 ASYNC = "conformance/test_async.py"
 CROSS = "conformance/test_cross_attention.py"
 MROPE = "conformance/test_mrope.py"
@@ -270,7 +271,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "fp8-value-scale-not-applied",
         "fp8 KV caches: attention reads decode(code) * v_scale (FlashInfer: out *= v_scale)",
-        "fast/cpu/attention.py",
+        "fast/cpu/prefill.py",
         "inv = v_scale[h] / total[r]",
         "inv = np.float32(1.0) / total[r]",
         (FP8_FAST,),
@@ -286,10 +287,42 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "fp8-scale-by-query-head",
         "fp8 KV caches: query head h reads the scale of KV head h // (num_heads // num_kv_heads)",
-        "fast/cpu/attention.py",
+        "fast/cpu/prefill.py",
         "ks = scale * k_scale[h]",
         "ks = scale * k_scale[(h * group) % k_scale.shape[0]]",
         (FP8_FAST,),
+    ),
+    Mutant(
+        "cpu-prefill-second-row-vector-reads-the-first",
+        "paged attention: each query row's logits come from its own query",
+        "fast/cpu/prefill.py",
+        "qa, qb = simd.load(qt, d * rp + rv), simd.load(qt, d * rp + rv + LANES)",
+        "qa, qb = simd.load(qt, d * rp + rv), simd.load(qt, d * rp + rv)",
+        (ATTENTION_FAST,),
+    ),
+    Mutant(
+        "cpu-prefill-last-rows-repeat-a-key",
+        "paged attention: a row reads every visible key of its walked blocks",
+        "fast/cpu/prefill.py",
+        "a7 = simd.fma(simd.broadcast(kbuf, kh + d), qa, a7)",
+        "a7 = simd.fma(simd.broadcast(kbuf, kg + d), qa, a7)",
+        (ATTENTION_FAST,),
+    ),
+    Mutant(
+        "cpu-prefill-causal-mask-skipped-at-the-diagonal",
+        "paged attention: causal, a query sees no key past its own position",
+        "fast/cpu/prefill.py",
+        "masked = first + j1 - 1 > p0 or",
+        "masked = first + j1 - 1 > p0 + 1 or",
+        (ATTENTION_FAST,),
+    ),
+    Mutant(
+        "cpu-prefill-window-mask-skipped-at-its-edge",
+        "paged attention: sliding window, a query sees only its last `window` positions",
+        "fast/cpu/prefill.py",
+        "(window != 0 and first + j0 < k_hi - window)",
+        "(window != 0 and first + j0 < k_hi - window - 1)",
+        (ATTENTION_FAST,),
     ),
     Mutant(
         "spec-fp8-value-scale-not-applied",

@@ -6,8 +6,7 @@ import numpy as np
 import torch
 from numba import njit
 
-from fast.cpu.attention import FASTMATH
-from fast.cpu.lanes import exp, tanh, widen
+from fast.cpu.lanes import FASTMATH, exp, tanh, widen
 
 MAX_ULP = 2.0  # what fast.cpu.lanes promises; the attention tolerance rule is checked by the kernel tests
 

@@ -18,10 +18,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from fast.cpu.lanes import exp, maximum, prefetch, tanh, widen
-
-# reassociation lets LLVM vectorise the dot products and sums; no nnan/ninf, so NaN and inf stay IEEE
-FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
+from fast.cpu.lanes import FASTMATH, exp, maximum, prefetch, tanh, widen
 
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH, error_model="numpy")

@@ -23,6 +23,9 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
+# the kernels' flags: reassociation lets LLVM vectorise dot products and sums; no nnan/ninf, so NaN and inf
+# stay IEEE
+FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
 _LOG2E = np.float32(1.4426950408889634)
 _LN2_HI = np.float32(0.693359375)  # few mantissa bits: n * _LN2_HI is exact for the n exp sees
 _LN2_LO = np.float32(-2.12194440e-4)
