@@ -325,6 +325,14 @@ MUTANTS: tuple[Mutant, ...] = (
         (ATTENTION_FAST,),
     ),
     Mutant(
+        "cpu-decode-small-group-reads-one-row",
+        "paged attention: GQA, every query head of a KV head attends",
+        "fast/cpu/decode.py",
+        "s[r, j] = dot(q[r], key[at : at + head_dim]) * (scale * k_scale[h])",
+        "s[r, j] = dot(q[h * group], key[at : at + head_dim]) * (scale * k_scale[h])",
+        (ATTENTION_FAST,),
+    ),
+    Mutant(
         "spec-fp8-value-scale-not-applied",
         "fp8 KV caches: attention reads decode(code) * v_scale (FlashInfer: out *= v_scale)",
         "spec/attention.py",
