@@ -109,20 +109,25 @@ def _live(w: LiveWorkload) -> Iterator[tuple[Any, list[StepRecord]]]:
     )  # fmt: skip
     args.update(w.engine)
     let_vllm_scan_modules_beside_numba()  # fast (numba) is loaded in this process
-    threads = torch.get_num_threads()
-    llm = LLM(**args)  # vLLM's CPU worker sets torch's thread count to its cores; the replay keeps the run's
+    threads, set_num_threads = torch.get_num_threads(), torch.set_num_threads
+    # vLLM's CPU worker sets torch's thread count to its cores and then replaces torch.set_num_threads with a
+    # no-op that logs a warning, for the rest of the process: the replay keeps the run's count, and the process
+    # gets its function back
+    llm = LLM(**args)
     try:
         shadow = attach(llm)
         params = SamplingParams(max_tokens=w.max_tokens, ignore_eos=True, detokenize=False, temperature=0.0)
         llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in w.prompts], params, use_tqdm=False)
         shadow.detach()
-        torch.set_num_threads(threads)
+        torch.set_num_threads = set_num_threads
+        set_num_threads(threads)
         yield shadow.runner, shadow.records
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()
-        torch.set_num_threads(threads)
+        torch.set_num_threads = set_num_threads
+        set_num_threads(threads)
 
 
 class _VllmReplay:
