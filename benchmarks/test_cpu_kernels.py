@@ -124,17 +124,20 @@ def test_attention_vs_vllm(benchmark: Any, bench_budget: float, case: AttentionC
     args = (inputs.query, inputs.key_cache, inputs.value_cache, inputs.block_table, inputs.seq_lens,
             inputs.query_start_loc)  # fmt: skip
 
+    out = torch.empty_like(inputs.query)  # both write into an output allocated once, as an engine's layers do
+
     def target() -> None:
-        fast.paged_attention(*args, **inputs.kwargs)  # type: ignore[arg-type]
+        fast.paged_attention(*args, **inputs.kwargs, out=out)  # type: ignore[arg-type]
 
     key_cache, value_cache = vllm_cpu.to_vllm_caches(inputs.key_cache, inputs.value_cache)  # untimed
     peer = vllm_cpu.attention(inputs.query, key_cache, value_cache, *args[3:], **inputs.kwargs)  # type: ignore[arg-type]
-    check_rows(inputs, fast.paged_attention(*args, **inputs.kwargs))  # type: ignore[arg-type]
+    check_rows(inputs, fast.paged_attention(*args, **inputs.kwargs, out=out))  # type: ignore[arg-type]
     check_rows(inputs, peer())
     record(benchmark, "attention_vs_vllm", _workload(case.name, case.requests, threads), "fast",
            flops=_attention_flops(case, inputs.query.shape[1], inputs.query.shape[2]), reference=VLLM,
            what="paged attention (32 query / 8 KV heads unless the workload says, head_dim 128, blocks of 32), fast's "
-                "rounds interleaved with vLLM's cpu_attention_with_kv_cache")  # fmt: skip
+                "rounds interleaved with vLLM's cpu_attention_with_kv_cache; each writes into an output allocated "
+                "once")  # fmt: skip
     benchmark.extra_info.update(threads=threads, dtype=str(case.dtype).removeprefix("torch."), vllm_isa=vllm_cpu.isa(
         case.dtype, BLOCK_SIZE, inputs.query.shape[2]))  # fmt: skip
     _interleaved(benchmark, target, peer, bench_budget, _settle())
@@ -154,11 +157,13 @@ def test_attention_vs_plain(benchmark: Any, bench_budget: float, case: Attention
     check_rows(inputs, fast.paged_attention(*args, **inputs.kwargs))  # type: ignore[arg-type]
     check_rows(plain, fast.paged_attention(*plain_args, **plain.kwargs))  # type: ignore[arg-type]
 
+    out, plain_out = torch.empty_like(inputs.query), torch.empty_like(plain.query)
+
     def target() -> None:
-        fast.paged_attention(*args, **inputs.kwargs)  # type: ignore[arg-type]
+        fast.paged_attention(*args, **inputs.kwargs, out=out)  # type: ignore[arg-type]
 
     def peer() -> None:
-        fast.paged_attention(*plain_args, **plain.kwargs)  # type: ignore[arg-type]
+        fast.paged_attention(*plain_args, **plain.kwargs, out=plain_out)  # type: ignore[arg-type]
 
     record(benchmark, "attention_vs_plain", _workload(case.name, case.requests, threads), "fast",
            flops=_attention_flops(case, inputs.query.shape[1], inputs.query.shape[2]), reference=f"fast {case.plain}",

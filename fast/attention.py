@@ -44,19 +44,25 @@ def paged_attention(
     kv_cache_dtype: str = "auto",
     k_scale: float | torch.Tensor = 1.0,  # one value, or [num_kv_heads]
     v_scale: float | torch.Tensor = 1.0,
+    out: torch.Tensor | None = None,  # [T, num_heads, head_dim] like query: written in place and returned
 ) -> torch.Tensor:  # [T, num_heads, head_dim]
+    """Attention of every query row over its request's keys; `out`, if given, receives it (an engine's buffer,
+    reused from layer to layer: a fresh output's first writes are page faults, about 9% of a large prefill's
+    time on CPU). It must not overlap the inputs; on a refused call it is left as it was."""
     fmt = check_attention_inputs(
         query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
         scale=scale, sliding_window=sliding_window, softcap=softcap, kv_cache_dtype=kv_cache_dtype,
     )  # fmt: skip
     k_values, v_values = check_kv_scales("paged_attention", fmt, k_scale, v_scale, key_cache.shape[2])
     check_attention_tensors(query, key_cache, value_cache, block_table, seq_lens, query_start_loc)
+    if out is not None:
+        check_out(out, query)
     if fmt is not None:
         key_cache, value_cache = codes(key_cache), codes(value_cache)
     if use_triton(query.device):
         from fast.kernels.paged_attention import paged_attention_triton  # lazily: the CPU path needs no Triton
 
-        out = torch.zeros_like(query)  # padding rows past query_start_loc[-1] stay zero
+        out = torch.zeros_like(query) if out is None else out.zero_()  # padding rows past the last query stay 0
         # the kernel reads head_dim and the index arrays without strides; spec takes any layout of these
         query = query if query.stride(2) == 1 else query.contiguous()
         block_table, seq_lens, query_start_loc = (
@@ -72,15 +78,41 @@ def paged_attention(
         )  # fmt: skip
         return out
     query32 = as_float32(query.detach())  # the CPU kernels read and write float32 rows
-    # padding rows past query_start_loc[-1] stay zero; NumPy's zeros (calloc) rather than torch's parallel fill:
-    # at two threads on a busy machine each torch parallel region waits for a second core (several ms per call)
-    out32 = torch.from_numpy(np.zeros(query32.shape, np.float32))
+    in_place = out is not None and out.dtype == torch.float32
+    if in_place:
+        out32 = out.detach()  # type: ignore[union-attr]
+    else:  # NumPy's zeros (calloc) rather than torch's parallel fill: at two threads on a busy machine each torch
+        # parallel region waits for a second core (several ms per call)
+        out32 = torch.from_numpy(np.zeros(query32.shape, np.float32))
     paged_attention_cpu(
         out32, query32, key_cache.detach(), value_cache.detach(), block_table, seq_lens, query_start_loc,
         scale=float(scale), sliding_window=sliding_window, softcap=softcap, fmt=fmt, k_scale=k_values,
         v_scale=v_values,
     )  # fmt: skip
-    return narrowed(out32, query.dtype)
+    if out is None:
+        return narrowed(out32, query.dtype)
+    if in_place:  # the kernels wrote every query row; the padding rows before the first and after the last are 0
+        first, last = int(query_start_loc[0]), int(query_start_loc[-1])
+        out32[:first] = 0.0
+        out32[last:] = 0.0
+    else:
+        out.detach().copy_(narrowed(out32, query.dtype))
+    return out
+
+
+def check_out(out: torch.Tensor, query: torch.Tensor) -> None:
+    """An output buffer paged_attention can write: the query's shape, dtype and device, rows of contiguous heads."""
+    if not isinstance(out, torch.Tensor):
+        raise ValueError(f"paged_attention: out must be a tensor, got {type(out).__name__}")
+    if out.shape != query.shape or out.dtype != query.dtype or out.device != query.device:
+        raise ValueError(
+            f"paged_attention: out must be {tuple(query.shape)} {query.dtype} on {query.device} like query, got "
+            f"{tuple(out.shape)} {out.dtype} on {out.device}"
+        )
+    if not out.is_contiguous():
+        raise ValueError(f"paged_attention: out must be contiguous, got strides {out.stride()}")
+    if out.untyped_storage().data_ptr() == query.untyped_storage().data_ptr():
+        raise ValueError("paged_attention: out shares its memory with query; the kernels read query while writing out")
 
 
 def check_attention_tensors(*tensors: torch.Tensor) -> None:

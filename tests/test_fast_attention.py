@@ -297,3 +297,40 @@ def test_cpu_conversions_to_and_from_float32_round_as_torch_does(dtype: torch.dt
     assert mine.isnan().equal(values.isnan())
     assert torch.equal(as_float32(torchs).view(torch.int32)[finite], torchs.float().view(torch.int32)[finite])
     assert as_float32(torchs).isnan().equal(values.isnan())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_out_receives_the_result_and_its_padding_rows_are_zeroed(mode: str, dtype: torch.dtype) -> None:
+    """An engine's reused buffer, full of an earlier layer's values (NaN here): the same bits as a fresh output."""
+    case = make_case(5, dtype, MIXED, block_size=4, num_kv_heads=2, group=3, head_dim=12, sliding_window=6,
+                     num_pad=3)  # fmt: skip
+    expected = run_fast(case, dtype)
+    floats = (torch.from_numpy(a).to(dtype) for a in (case.query, case.key_cache, case.value_cache))
+    ints = (torch.from_numpy(a) for a in (case.block_table, case.seq_lens, case.query_start_loc))
+    out = torch.full(expected.shape, float("nan"), dtype=dtype)
+    got = paged_attention(*floats, *ints, **case.kwargs, out=out)  # type: ignore[arg-type]
+    assert got is out
+    assert torch.equal(out, expected)
+
+
+def test_a_bad_out_is_refused_and_a_refused_call_leaves_out_as_it_was(mode: str) -> None:
+    case = make_case(6, torch.float32, [(5, 1), (2, 3)], block_size=4, num_kv_heads=1, group=2, head_dim=8,
+                     num_pad=2)  # fmt: skip
+    q, k, v = (torch.from_numpy(a).float() for a in (case.query, case.key_cache, case.value_cache))
+    bt, sl, qsl = (torch.from_numpy(a.copy()) for a in (case.block_table, case.seq_lens, case.query_start_loc))
+    bad_outs = {
+        "out must be": torch.zeros(q.shape[0] + 1, *q.shape[1:]),
+        "out must be .*float32 .*got .*float64": torch.zeros(q.shape, dtype=torch.float64),
+        "out must be contiguous": torch.zeros(tuple(reversed(q.shape))).permute(2, 1, 0),
+        "shares its memory with query": q,
+    }
+    for match, out in bad_outs.items():
+        before = out.clone()
+        with pytest.raises(ValueError, match=match):
+            paged_attention(q, k, v, bt, sl, qsl, scale=0.5, out=out)
+        torch.testing.assert_close(out, before, rtol=0, atol=0, equal_nan=True)  # the query's NaN padding too
+    out = torch.full(q.shape, 7.0)
+    bt[1, 0] = k.shape[0]  # a block id outside the cache: refused by the CPU planner before any write
+    with interpret(False), pytest.raises(ValueError, match="block id outside the cache"):
+        paged_attention(q, k, v, bt, sl, qsl, scale=0.5, out=out)
+    assert (out == 7.0).all()
