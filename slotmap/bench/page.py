@@ -184,8 +184,9 @@ def render(json_paths: list[Path], page: Path, img_dir: Path) -> None:
         "contiguously (no paging, no padding waste; the contiguous copy is made before timing). `vllm-cpu`: vLLM's own "
         "CPU kernels (`cpu_attention_with_kv_cache`, `cpu_attn_reshape_and_cache`, "
         "`compute_slot_mapping_kernel_impl`, C++ with AVX-512, AMX for bfloat16 where the CPU has it) on the same "
-        "data in vLLM's cache layout, converted before timing; measured by `benchmarks/test_cpu_kernels.py` where "
-        "vLLM is installed, fast's rounds interleaved with vLLM's, at the thread count the workload name ends in "
+        "data in vLLM's cache layout, converted before timing, and each side writing attention into an output "
+        "allocated once (`out=` for fast), as an engine's layers do; measured by `benchmarks/test_cpu_kernels.py` "
+        "where vLLM is installed, fast's rounds interleaved with vLLM's, at the thread count the workload name ends in "
         "(`-t1`, `-t2`); at two threads each attention round starts after 10 ms idle, since libgomp's workers spin "
         "for milliseconds after a parallel region on the core the next round needs (benchmarks/test_cpu_kernels.py "
         "says what that gap changes).",
