@@ -79,11 +79,9 @@ def paged_attention(
         return out
     query32 = as_float32(query.detach())  # the CPU kernels read and write float32 rows
     in_place = out is not None and out.dtype == torch.float32
-    if in_place:
-        out32 = out.detach()  # type: ignore[union-attr]
-    else:  # NumPy's zeros (calloc) rather than torch's parallel fill: at two threads on a busy machine each torch
-        # parallel region waits for a second core (several ms per call)
-        out32 = torch.from_numpy(np.zeros(query32.shape, np.float32))
+    # otherwise NumPy's zeros (calloc) rather than torch's parallel fill: at two threads on a busy machine each
+    # torch parallel region waits for a second core (several ms per call)
+    out32 = out.detach() if in_place else torch.from_numpy(np.zeros(query32.shape, np.float32))  # type: ignore[union-attr]
     paged_attention_cpu(
         out32, query32, key_cache.detach(), value_cache.detach(), block_table, seq_lens, query_start_loc,
         scale=float(scale), sliding_window=sliding_window, softcap=softcap, fmt=fmt, k_scale=k_values,
