@@ -25,6 +25,7 @@ from fast.cpu.attention import as_float32, narrowed, paged_attention_cpu
 from fast.fp8 import codes, scale_tensor
 from fast.runtime import use_triton
 from spec.attention import check_attention_inputs
+from spec.attention import check_out as spec_check_out
 from spec.kv_cache import check_kv_scales
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -99,14 +100,10 @@ def paged_attention(
 
 
 def check_out(out: torch.Tensor, query: torch.Tensor) -> None:
-    """An output buffer paged_attention can write: the query's shape, dtype and device, rows of contiguous heads."""
-    if not isinstance(out, torch.Tensor):
-        raise ValueError(f"paged_attention: out must be a tensor, got {type(out).__name__}")
-    if out.shape != query.shape or out.dtype != query.dtype or out.device != query.device:
-        raise ValueError(
-            f"paged_attention: out must be {tuple(query.shape)} {query.dtype} on {query.device} like query, got "
-            f"{tuple(out.shape)} {out.dtype} on {out.device}"
-        )
+    """spec's check of an output buffer, and what the kernels add: query's device, contiguous, not query's memory."""
+    spec_check_out(out, query)
+    if out.device != query.device:
+        raise ValueError(f"paged_attention: out must be on {query.device} like query, got {out.device}")
     if not out.is_contiguous():
         raise ValueError(f"paged_attention: out must be contiguous, got strides {out.stride()}")
     if out.untyped_storage().data_ptr() == query.untyped_storage().data_ptr():

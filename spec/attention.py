@@ -50,16 +50,19 @@ def paged_attention(
     kv_cache_dtype: str = "auto",
     k_scale: float | np.ndarray = 1.0,  # one value, or [num_kv_heads]
     v_scale: float | np.ndarray = 1.0,
+    out: np.ndarray | None = None,  # [T, num_heads, head_dim] like query: receives the result, which is returned
 ) -> np.ndarray:  # [T, num_heads, head_dim]
     fmt = check_attention_inputs(
         query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
         scale=scale, sliding_window=sliding_window, softcap=softcap, kv_cache_dtype=kv_cache_dtype,
     )  # fmt: skip
+    if out is not None:
+        check_out(out, query)
     block_size, num_kv_heads = key_cache.shape[1:3]
     k_scales, v_scales = check_kv_scales("paged_attention", fmt, k_scale, v_scale, num_kv_heads)  # [num_kv_heads]
     num_heads = query.shape[1]
     dtype = query.dtype.type
-    out = np.zeros_like(query)
+    result = np.zeros_like(query)
     for b in range(len(seq_lens)):
         q_start, q_end, seq_len = int(query_start_loc[b]), int(query_start_loc[b + 1]), int(seq_lens[b])
         q_pos = np.arange(seq_len - (q_end - q_start), seq_len)  # [q] positions of this row's queries
@@ -82,8 +85,22 @@ def paged_attention(
         logits = np.where(visible[None], logits, dtype(-np.inf))
         weights = np.exp(logits - logits.max(axis=-1, keepdims=True))
         weights /= weights.sum(axis=-1, keepdims=True)
-        out[q_start:q_end] = np.einsum("hqk,khd->qhd", weights, values)
+        result[q_start:q_end] = np.einsum("hqk,khd->qhd", weights, values)
+    if out is None:
+        return result
+    out[...] = result
     return out
+
+
+def check_out(out: Any, query: Any) -> None:
+    """An output buffer paged_attention can write: the query's shape and dtype (NumPy arrays and torch tensors)."""
+    if not (hasattr(out, "shape") and hasattr(out, "dtype")):
+        raise ValueError(f"paged_attention: out must be an array like query, got {type(out).__name__}")
+    if tuple(out.shape) != tuple(query.shape) or dtype_name(out.dtype) != dtype_name(query.dtype):
+        raise ValueError(
+            f"paged_attention: out must be {tuple(query.shape)} {dtype_name(query.dtype)} like query, got "
+            f"{tuple(out.shape)} {dtype_name(out.dtype)}"
+        )
 
 
 def check_attention_inputs(

@@ -57,6 +57,7 @@ class PagedAttention(Protocol):
         kv_cache_dtype: str = "auto",
         k_scale: Any = 1.0,
         v_scale: Any = 1.0,
+        out: Any = None,
     ) -> Any: ...
 
 

@@ -134,6 +134,8 @@ ATTENTION_BAD_TENSORS: dict[str, tuple[Callable[[dict[str, Any]], None], str]] =
         lambda a: a.update(value_cache=a["value_cache"].transpose(0, 1).contiguous().transpose(0, 1)),
         "value_cache strides",
     ),
+    "out rows": (lambda a: a.update(out=torch.zeros(6, 4, 8)), r"out must be \(5, 4, 8\) float32 like query"),
+    "out dtype": (lambda a: a.update(out=torch.zeros(5, 4, 8, dtype=torch.float64)), "got .* float64"),
 }
 
 
@@ -155,6 +157,21 @@ def test_paged_attention_refuses_alike(mode: str, case: str) -> None:
     for run in _run_both(args):
         with pytest.raises(ValueError, match=message):
             run()
+
+
+def test_paged_attention_out_receives_the_answer(mode: str) -> None:
+    """Both backends write into `out` (full of an earlier call's values here) and return it: the same answer."""
+    args = _attention_inputs()
+    expected_spec, expected_fast = (run() for run in _run_both(args))
+    args["out"] = torch.full_like(args["query"], float("nan"))
+    spec_args = {k: v for k, v in args.items() if k != "out"}
+    spec_out = args["out"].numpy().copy()
+    tensors = {k: v for k, v in spec_args.items() if isinstance(v, torch.Tensor)}
+    options = {k: v for k, v in spec_args.items() if not isinstance(v, torch.Tensor)}
+    assert spec.paged_attention(**_numpy(tensors), **options, out=spec_out) is spec_out
+    np.testing.assert_array_equal(spec_out, expected_spec)
+    assert paged_attention(**args) is args["out"]
+    assert torch.equal(args["out"], expected_fast)
 
 
 @pytest.mark.parametrize("what", ["nan query", "nan scale", "inf query"])
