@@ -49,8 +49,8 @@ def paged_attention(
 ) -> torch.Tensor:  # [T, num_heads, head_dim]
     """Attention of every query row over its request's keys; `out`, if given, receives it (an engine's buffer,
     reused from layer to layer: a fresh output's first writes are page faults, about 9% of a large prefill's
-    time on CPU). An `out` sharing query's memory is refused; one overlapping the caches is not checked and must
-not be passed. On a refused call `out` is left as it was."""
+    time on CPU). An `out` sharing query's memory is refused; one overlapping the caches is not checked and
+    must not be passed. On a refused call `out` is left as it was."""
     fmt = check_attention_inputs(
         query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
         scale=scale, sliding_window=sliding_window, softcap=softcap, kv_cache_dtype=kv_cache_dtype,
@@ -91,11 +91,7 @@ not be passed. On a refused call `out` is left as it was."""
     )  # fmt: skip
     if out is None:
         return narrowed(out32, query.dtype)
-    if in_place:  # the kernels wrote every query row; the padding rows before the first and after the last are 0
-        first, last = int(query_start_loc[0]), int(query_start_loc[-1])
-        out32[:first] = 0.0
-        out32[last:] = 0.0
-    else:
+    if not in_place:
         out.detach().copy_(narrowed(out32, query.dtype))
     return out
 

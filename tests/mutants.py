@@ -272,8 +272,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "fp8-value-scale-not-applied",
         "fp8 KV caches: attention reads decode(code) * v_scale (FlashInfer: out *= v_scale)",
         "fast/cpu/prefill.py",
-        "inv = v_scale[h] / total[r]",
-        "inv = np.float32(1.0) / total[r]",
+        "inv = v_scale[h] / total[u, r]",
+        "inv = np.float32(1.0) / total[u, r]",
         (FP8_FAST,),
     ),
     Mutant(
@@ -322,6 +322,14 @@ MUTANTS: tuple[Mutant, ...] = (
         "fast/cpu/prefill.py",
         "(window != 0 and first + j0 < k_hi - window)",
         "(window != 0 and first + j0 < k_hi - window - 1)",
+        (ATTENTION_FAST,),
+    ),
+    Mutant(
+        "cpu-prefill-later-tiles-miss-their-last-key",
+        "paged attention: causal, a query sees every key up to its own position",
+        "fast/cpu/prefill.py",
+        "tile_hi = min(p0s[u] + tile, k_hi)",
+        "tile_hi = min(p0s[u] + tile - (u > 0), k_hi)",
         (ATTENTION_FAST,),
     ),
     Mutant(

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 from numba import njit
 
-from fast.cpu.lanes import FASTMATH, exp, tanh, widen
+from fast.cpu.lanes import FASTMATH, exp, exp2_nonpositive, tanh, widen
 
 MAX_ULP = 2.0  # what fast.cpu.lanes promises; the attention tolerance rule is checked by the kernel tests
 
@@ -15,6 +15,12 @@ MAX_ULP = 2.0  # what fast.cpu.lanes promises; the attention tolerance rule is c
 def _apply_exp(x: np.ndarray, out: np.ndarray) -> None:  # pragma: no cover - compiled
     for i in range(x.shape[0]):
         out[i] = exp(x[i])
+
+
+@njit(fastmath=FASTMATH, error_model="numpy")
+def _apply_exp2(x: np.ndarray, out: np.ndarray) -> None:  # pragma: no cover - compiled
+    for i in range(x.shape[0]):
+        out[i] = exp2_nonpositive(x[i])
 
 
 @njit(fastmath=FASTMATH, error_model="numpy")
@@ -50,6 +56,18 @@ def test_exp_ieee_special_values() -> None:
     got = np.empty_like(x)
     _apply_exp(x, got)
     assert got[0] == 0 and np.isnan(got[1]) and got[2] == 1 and got[3] == 1 and got[4] == np.inf and got[5] == np.inf
+
+
+def test_exp2_within_two_ulp_on_the_softmax_range() -> None:
+    """The prompt kernel's softmax in log2 units: arguments <= 0, down to 2**-126; below, 0."""
+    x = np.concatenate([np.linspace(-126, 0, 400_001), -np.logspace(-8, 0, 1001), [-0.5, -1.5]]).astype(np.float32)
+    got = np.empty_like(x)
+    _apply_exp2(x, got)
+    assert _ulps(got, np.exp2(x.astype(np.float64))) <= MAX_ULP
+    special = np.array([-np.inf, np.nan, 0.0, -0.0, -126.5, -300.0], np.float32)
+    out = np.empty_like(special)
+    _apply_exp2(special, out)
+    assert out[0] == 0 and np.isnan(out[1]) and out[2] == 1 and out[3] == 1 and out[4] == 0 and out[5] == 0
 
 
 def test_tanh_within_two_ulp() -> None:

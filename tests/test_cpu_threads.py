@@ -12,7 +12,7 @@ import torch
 
 import fast
 import fast.cpu.threads
-from fast.cpu.threads import MIN_SHARE_COST, shares
+from fast.cpu.threads import MAX_SHARE_COST, MIN_SHARE_COST, shares
 
 
 def _batch(counts: list[int], softcap: float | None, gen: torch.Generator) -> tuple[tuple[torch.Tensor, ...], dict]:
@@ -52,6 +52,9 @@ def test_shares_cover_the_items_once_in_order_and_balance_their_cost() -> None:
             assert sums == [10 * MIN_SHARE_COST, 14 * MIN_SHARE_COST], sums  # the split nearest the half
     assert shares(np.full(40, MIN_SHARE_COST // 32, np.int64), 2) == [slice(0, 40)]  # too little to hand off
     assert shares(np.zeros(0, np.int64), 2) == [slice(0, 0)]
+    # much work: shares of at most about MAX_SHARE_COST, so that the threads finish together
+    assert shares(np.full(100, MAX_SHARE_COST // 2, np.int64), 2) == [slice(i, i + 2) for i in range(0, 100, 2)]
+    assert len(shares(np.full(3, 10 * MAX_SHARE_COST, np.int64), 2)) == 3  # never more shares than items
 
 
 @pytest.mark.usefixtures("two_torch_threads")

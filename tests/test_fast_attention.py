@@ -262,6 +262,35 @@ def test_paged_attention_same_answer_on_any_thread_count() -> None:
     assert torch.equal(one, two)
 
 
+@pytest.mark.parametrize("sliding_window", [None, 23])
+def test_prompt_rows_same_answer_with_any_number_of_tiles_per_item(sliding_window: int | None) -> None:
+    """plan_items puts up to TILES_PER_ITEM tiles of queries in one item (fewer when the threads want more items);
+    an item copies each block once for its tiles, and each tile's arithmetic stays the same: no bit changes."""
+    from fast.cpu.attention import TILES_PER_ITEM, plan_items, query_tile
+    from fast.cpu.prefill import prefill_kernel
+
+    group, tile = 4, query_tile(4)
+    case = make_case(3, torch.float32, [(40, 7 * tile + 5), (0, 3 * tile), (9, 2)], block_size=8, num_kv_heads=2,
+                     group=group, head_dim=32, sliding_window=sliding_window)  # fmt: skip
+    num_blocks, block_size, num_kv_heads, head_dim = case.key_cache.shape
+    key, value = (np.ascontiguousarray(c, np.float32).reshape(-1) for c in (case.key_cache, case.value_cache))
+    strides = np.array([block_size * num_kv_heads * head_dim, num_kv_heads * head_dim, head_dim], np.int64)
+    ones, query = np.ones(num_kv_heads, np.float32), case.query.astype(np.float32)
+    outs, sizes = [], []
+    for min_items in (1, 10**9):  # as many tiles per item as the plan takes; one tile per item
+        items, *_ = plan_items(case.seq_lens, case.query_start_loc, case.block_table, query.shape[0], num_blocks,
+                               block_size, num_kv_heads, group, tile, sliding_window or 0, min_items)  # fmt: skip
+        out = np.zeros_like(query)
+        prefill_kernel(out, query, key, value, strides, case.block_table, items, tile, group, head_dim, block_size,
+                       np.float32(case.kwargs["scale"]), sliding_window or 0, np.float32(0.0), ones, ones)  # fmt: skip
+        outs.append(out)
+        sizes.append(int((items[:, 2] - items[:, 1]).max()))
+    assert sizes == [min(TILES_PER_ITEM * tile, 7 * tile + 5), tile]  # the first row's 8 tiles in one item; one each
+    assert np.array_equal(outs[0], outs[1], equal_nan=True)
+    n = case.num_tokens
+    assert np.isfinite(outs[0][: n - 2]).all()  # every prompt row computed (the decode row is not the kernel's)
+
+
 @pytest.mark.parametrize("bad", ["block id", "table width", "queries past seq_len", "query rows"])
 def test_paged_attention_refuses_reads_outside_the_tensors(bad: str) -> None:
     """The CPU kernel has no bounds checks of its own: its planner refuses any batch that would read outside."""

@@ -2,11 +2,12 @@
 
 Rows of one query (decode) take fast.cpu.decode's kernel; rows of several queries (prefill, drafts, chunks
 of a prompt) take fast.cpu.prefill's, both in the same call, after plan_items' checks. A work item of the
-latter is (batch row, KV head, tile of up to `query_tile(group)` of its queries): the tile's queries for
-every query head of its KV head are the rows of one small matrix (GQA: each key is read once for the whole
-group), and the item walks the visible key positions block by block through the block table (from the
-window start of its first query to its last query's position) with an online softmax per row in float32.
-Items of one batch row and KV head are next to each other, so the tiles after the first find that head's
+latter is (batch row, KV head, up to TILES_PER_ITEM consecutive tiles of `query_tile(group)` of its queries):
+a tile's queries for every query head of its KV head are the rows of one small matrix (GQA: each key is read
+once for the whole group). The item walks the visible key positions block by block through the block table
+(from the window start of its first query to its last query's position), copies each block's keys and values
+once, and runs every tile that sees the block over the copy, with an online softmax per row in float32.
+Items of one batch row and KV head are next to each other, so the items after the first find that head's
 blocks in L2. Keys a row may not see inside the walked range (causal within the tile, the window of earlier
 queries) get -inf before the softmax; keys outside the range are never read, so unwritten slots may hold
 anything. The kernels are serial and release the GIL; fast.cpu.threads hands each kernel's rows or items out
@@ -29,10 +30,13 @@ from numba import njit
 
 from fast.cpu.decode import decode_kernel
 from fast.cpu.prefill import prefill_kernel
-from fast.cpu.threads import run_shares
+from fast.cpu.threads import SHARES_PER_THREAD, run_shares
 from spec.fp8 import Fp8Format
 
-TILE_ROWS = 64  # query rows (tile queries x group) an item aims for: a block's K and V are copied once per tile
+TILE_ROWS = 64  # query rows (tile queries x group) a tile aims for: its logits and P.V stay in L1 and L2
+# tiles of queries an item takes at most: each block's K and V are copied once for all of them (8: 0.92x the time
+# of 1 on the mixed benchmark's prompts, 0.78x with 512 queries on 8192 cached keys)
+TILES_PER_ITEM = 8
 ITEM_FIELDS = 6  # batch_idx, query tokens [t0, t1), first key position, position of query t0, KV head
 
 
@@ -43,7 +47,7 @@ def query_tile(group: int) -> int:
 
 
 def paged_attention_cpu(
-    out: torch.Tensor,  # [T, num_heads, head_dim] float32, contiguous, zero-filled, written in place
+    out: torch.Tensor,  # [T, num_heads, head_dim] float32, contiguous, every row written (padding 0)
     query: torch.Tensor,  # [T, num_heads, head_dim] float32, contiguous
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], head_dim contiguous
     value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], the same strides
@@ -65,26 +69,29 @@ def paged_attention_cpu(
     group = query.shape[1] // num_kv_heads
     strides = np.array(key_cache.stride()[:3], np.int64)  # block, slot in block, KV head (elements)
     table, lens, starts = (t.numpy() for t in (block_table, seq_lens, query_start_loc))
-    items = plan_items(lens, starts, table, query.shape[0], num_blocks, block_size, num_kv_heads, query_tile(group),
-                       sliding_window or 0)  # fmt: skip
-    decode_rows = np.flatnonzero(np.diff(starts.astype(np.int64)) == 1)  # [n] batch_idx: fast.cpu.decode's rows
+    tile = query_tile(group)
+    items, item_costs, decode_rows, decode_costs = plan_items(
+        lens, starts, table, query.shape[0], num_blocks, block_size, num_kv_heads, group, tile, sliding_window or 0,
+        torch.get_num_threads() * SHARES_PER_THREAD,
+    )  # fmt: skip
+    o, q = out.numpy(), query.numpy()
+    first, last = int(starts[0]), int(starts[-1])
+    if first > 0:  # padding rows before the first query and after the last are 0
+        o[:first] = 0.0
+    if last < o.shape[0]:
+        o[last:] = 0.0
     if items.shape[0] == 0 and decode_rows.size == 0:
         return
     key, value = _elements(key_cache, fmt), _elements(value_cache, fmt)
-    o, q = out.numpy(), query.numpy()
     scale32, window, cap = np.float32(scale), sliding_window or 0, np.float32(softcap or 0.0)
     if decode_rows.size:
-        keys = lens[decode_rows].astype(np.int64)  # a row reads the keys from its window start to its position
-        costs = query.shape[1] * (keys if window == 0 else np.minimum(keys, window))  # query head x key products
         run_shares(lambda rows: decode_kernel(o, q, key, value, strides, table, lens, starts, rows, group, head_dim,
                                               block_size, scale32, window, cap, k_scales, v_scales),
-                   decode_rows, costs)  # fmt: skip
+                   decode_rows, decode_costs)  # fmt: skip
     if items.shape[0]:
-        num_q = items[:, 2] - items[:, 1]
-        costs = num_q * group * (items[:, 4] + num_q - items[:, 3])  # an item's query heads x keys it walks
-        run_shares(lambda share: prefill_kernel(o, q, key, value, strides, table, share, group, head_dim,
+        run_shares(lambda share: prefill_kernel(o, q, key, value, strides, table, share, tile, group, head_dim,
                                                 block_size, scale32, window, cap, k_scales, v_scales),
-                   items, costs)  # fmt: skip
+                   items, item_costs)  # fmt: skip
 
 
 def as_float32(query: torch.Tensor) -> torch.Tensor:
@@ -127,6 +134,8 @@ def _elements(cache: torch.Tensor, fmt: Fp8Format | None) -> np.ndarray:
         bits = cache.view(torch.int16).numpy()
     else:
         bits = cache.numpy()
+    if bits.flags.c_contiguous:
+        return bits.reshape(-1)
     span = 1 + sum((n - 1) * s for n, s in zip(cache.shape, cache.stride(), strict=True)) if cache.numel() else 0
     return np.lib.stride_tricks.as_strided(bits, shape=(span,), strides=(bits.itemsize,))
 
@@ -140,17 +149,24 @@ def plan_items(  # pragma: no cover - compiled; tested through its results
     num_blocks: int,
     block_size: int,
     num_kv_heads: int,
-    tile: int,  # queries per prefill item
+    group: int,  # query heads per KV head
+    tile: int,  # queries per tile of a prefill item
     window: int,  # 0: no sliding window
-) -> np.ndarray:  # [num_items, ITEM_FIELDS] int64, the fields below
-    """The work items of one call, after the checks that keep every read inside the tensors.
+    min_items: int,  # items wanted for the threads' shares: fewer tiles per item (down to 1) until there are as many
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The work items of one call ([num_items, ITEM_FIELDS] int64, the fields below) and its decode rows ([n]
+    batch_idx: rows of one query, fast.cpu.decode's), each with its cost ([num_items], [n] int64: the query head
+    x key products it computes, for fast.cpu.threads' shares), after the checks that keep every read inside the
+    tensors.
 
     Every row is checked, decode rows too (fast.cpu.decode reads them, without items): every block id a
-    row will read, so neither kernel needs bounds checks. A row with several queries is one item per tile
-    of `tile` queries and KV head, the tiles of one KV head next to each other.
+    row will read, so neither kernel needs bounds checks. A row with several queries is, per KV head, items
+    of up to TILES_PER_ITEM consecutive tiles of `tile` queries (fewer per item when there would be fewer items
+    than `min_items`; each row's arithmetic is the same either way), the items of one KV head next to each other.
     """
     num_reqs = seq_lens.shape[0]
-    count = 0
+    count = num_decode = 0
+    item_counts = np.zeros(TILES_PER_ITEM + 1, np.int64)  # [n] the items of n tiles each, for n a power of 2
     for b in range(num_reqs):
         q_start, q_end, seq_len = query_start_loc[b], query_start_loc[b + 1], seq_lens[b]
         if q_start < 0 or q_end < q_start or q_end > num_query_rows:
@@ -166,22 +182,40 @@ def plan_items(  # pragma: no cover - compiled; tested through its results
                 if block_table[b, blk] < 0 or block_table[b, blk] >= num_blocks:
                     raise ValueError("paged_attention: block_table holds a block id outside the cache")
         num_q = q_end - q_start
-        count += 0 if num_q == 1 else num_kv_heads * ((num_q + tile - 1) // tile)
-    items = np.empty((count, ITEM_FIELDS), np.int64)
-    i = 0
+        num_decode += num_q == 1
+        if num_q > 1:
+            n = 1
+            while n <= TILES_PER_ITEM:
+                item_counts[n] += num_kv_heads * ((num_q + n * tile - 1) // (n * tile))
+                n *= 2
+    per_item = TILES_PER_ITEM
+    while per_item > 1 and item_counts[per_item] < min_items:
+        per_item //= 2
+    span = per_item * tile  # queries per item
+    count = item_counts[per_item]
+    items, item_costs = np.empty((count, ITEM_FIELDS), np.int64), np.empty(count, np.int64)
+    decode_rows, decode_costs = np.empty(num_decode, np.int64), np.empty(num_decode, np.int64)
+    i = d = 0
     for b in range(num_reqs):
         q_start, q_end, seq_len = query_start_loc[b], query_start_loc[b + 1], seq_lens[b]
-        if q_end - q_start == 1:
+        if q_end - q_start == 1:  # it reads the keys from its window start to its position
+            decode_rows[d] = b
+            decode_costs[d] = group * num_kv_heads * (seq_len if window == 0 else min(seq_len, window))
+            d += 1
             continue
         first_pos = seq_len - (q_end - q_start)  # position of the row's first query
         for h in range(num_kv_heads):
-            for t0 in range(q_start, q_end, tile):
+            for t0 in range(q_start, q_end, span):
                 pos = first_pos + (t0 - q_start)
                 items[i, 0] = b
                 items[i, 1] = t0
-                items[i, 2] = min(t0 + tile, q_end)
+                items[i, 2] = min(t0 + span, q_end)
                 items[i, 3] = 0 if window == 0 else max(0, pos - window + 1)
                 items[i, 4] = pos
                 items[i, 5] = h
+                item_costs[i] = 0
+                for u0 in range(t0, items[i, 2], tile):  # each tile's rows x the keys it walks
+                    num_q, p = min(tile, items[i, 2] - u0), pos + (u0 - t0)
+                    item_costs[i] += num_q * group * (p + num_q - (0 if window == 0 else max(0, p - window + 1)))
                 i += 1
-    return items
+    return items, item_costs, decode_rows, decode_costs
