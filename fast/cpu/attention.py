@@ -41,8 +41,9 @@ ITEM_FIELDS = 6  # batch_idx, query tokens [t0, t1), first key position, positio
 
 
 def query_tile(group: int) -> int:
-    """Queries per work item: enough rows to reuse each copied key and value, few enough that an item's buffers
-    stay in L1 and L2 (64 rows: 0.82x the time of 32 on the mixed benchmark's prompts; 128 rows, no faster)."""
+    """Queries per tile of a work item: enough rows to reuse each key and value loaded, few enough that a tile's
+    buffers stay in L1 and L2 (64 rows: 0.82x the time of 32 on the mixed benchmark's prompts, measured with one
+    tile per item; 128 rows, no faster)."""
     return max(1, TILE_ROWS // group)
 
 
