@@ -29,7 +29,7 @@ import torch
 from numba import njit
 
 from fast.cpu.decode import decode_kernel
-from fast.cpu.prefill import prefill_kernel
+from fast.cpu.prefill import prefill_kernel, window_start
 from fast.cpu.threads import SHARES_PER_THREAD, run_shares
 from spec.fp8 import Fp8Format
 
@@ -175,7 +175,7 @@ def plan_items(  # pragma: no cover - compiled; tested through its results
         if q_end - q_start > seq_len:
             raise ValueError("paged_attention: a batch row has more queries than its seq_len")
         if q_end > q_start:
-            k_first = 0 if window == 0 else max(0, seq_len - (q_end - q_start) - window + 1)
+            k_first = window_start(seq_len - (q_end - q_start), window)
             last_block = (seq_len - 1) // block_size
             if last_block >= block_table.shape[1]:
                 raise ValueError("paged_attention: seq_lens reach past the block table's width")
@@ -211,12 +211,12 @@ def plan_items(  # pragma: no cover - compiled; tested through its results
                 items[i, 0] = b
                 items[i, 1] = t0
                 items[i, 2] = min(t0 + span, q_end)
-                items[i, 3] = 0 if window == 0 else max(0, pos - window + 1)
+                items[i, 3] = window_start(pos, window)
                 items[i, 4] = pos
                 items[i, 5] = h
                 item_costs[i] = 0
                 for u0 in range(t0, items[i, 2], tile):  # each tile's rows x the keys it walks
                     num_q, p = min(tile, items[i, 2] - u0), pos + (u0 - t0)
-                    item_costs[i] += num_q * group * (p + num_q - (0 if window == 0 else max(0, p - window + 1)))
+                    item_costs[i] += num_q * group * (p + num_q - window_start(p, window))
                 i += 1
     return items, item_costs, decode_rows, decode_costs

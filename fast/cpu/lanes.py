@@ -27,7 +27,7 @@ from numba.extending import intrinsic
 # stay IEEE
 FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
 LOG2E = np.float32(1.4426950408889634)
-_MINUS_2_LOG2E = np.float32(-2.0 * 1.4426950408889634)
+_MINUS_2_LOG2E = np.float32(-2.0) * LOG2E  # exact: a power of 2 times LOG2E
 _LN2_HI = np.float32(0.693359375)  # few mantissa bits: n * _LN2_HI is exact for the n exp sees
 _LN2_LO = np.float32(-2.12194440e-4)
 _TANH_SERIES_BELOW = np.float32(0.55)  # below it the odd series (10 terms, error < 1e-8); above, the exp form

@@ -32,6 +32,12 @@ LANES = simd.LANES
 DIMS_PER_TILE = 2 * LANES  # head_dim is padded to a multiple of this in the value and accumulator buffers
 
 
+@njit(cache=True, inline="always")
+def window_start(pos: int, window: int) -> int:  # pragma: no cover - compiled
+    """The first key position a query at `pos` sees (0: no sliding window)."""
+    return 0 if window == 0 else max(0, pos - window + 1)
+
+
 @njit(cache=True, nogil=True, fastmath=FASTMATH, error_model="numpy")
 def prefill_kernel(  # pragma: no cover - compiled; tested through its results
     out: np.ndarray,  # [T, num_heads, head_dim] float32, written for the items' query rows
@@ -60,7 +66,7 @@ def prefill_kernel(  # pragma: no cover - compiled; tested through its results
     s = np.empty(block_size * rp_max, np.float32)  # [block_size, rp] a tile's logits in this block, then weights
     new_m = np.empty(rp_max, np.float32)  # [rp] a tile's max after this block, then the exp's offset
     block_sum = np.empty(rp_max, np.float32)  # [rp]
-    alpha = np.empty(rp_max, np.float32)  # [rp] exp(old max - new max): what acc and total are scaled by
+    alpha = np.empty(rp_max, np.float32)  # [rp] 2**(old max - new max): what acc and total are scaled by
     ss = strides[1]
     for it in range(items.shape[0]):
         b, t0, t1, k_lo, p0, h = items[it, 0], items[it, 1], items[it, 2], items[it, 3], items[it, 4], items[it, 5]
@@ -102,7 +108,7 @@ def prefill_kernel(  # pragma: no cover - compiled; tested through its results
                     vb[d] = widen(vr[d])
             for u in range(num_tiles):
                 tile_hi = min(p0s[u] + tile, k_hi)  # one past the tile's last query's position
-                tile_lo = 0 if window == 0 else max(0, p0s[u] - window + 1)
+                tile_lo = window_start(p0s[u], window)
                 ju0, ju1 = max(tile_lo, first + j0) - first, min(tile_hi, first + j1) - first
                 if ju1 > ju0:
                     _tile_block(s, qt[u], kbuf, vbuf, acc[u], m[u], total[u], new_m, block_sum, alpha, pos[u], lo[u],
