@@ -81,8 +81,13 @@ class _Ctx:
         return self.rng.choice(reqs) if reqs else None
 
     def unused_blocks(self, g: int, count: int, avoid: set[int]) -> list[int] | None:
-        """`count` distinct real block ids of group g outside `avoid`, or None if there are not enough."""
+        """`count` distinct real block ids of group g outside `avoid`, or None if there are not enough.
+
+        With one block pool, ids another group's scheduled tables list are avoided too (check 9 would refuse
+        them before the check a breaker aims at)."""
         num_blocks = self.config.kv_groups[g].num_blocks
+        if self.config.one_block_pool:
+            avoid = avoid | {b for r in self.reqs for h, t in enumerate(r.tables) if h != g for b in t}
         if num_blocks - 1 - len(avoid - {NULL_BLOCK_ID}) < count:
             return None
         chosen: list[int] = []
@@ -283,12 +288,36 @@ def _block_id(ctx: _Ctx) -> SchedulerOutput | None:
         broken = _malformed_block_id(ctx) or _repeated_block_appended(ctx)
         if broken is not None:
             return broken
+    if ctx.config.one_block_pool and ctx.rng.random() < 0.3:
+        broken = _held_in_another_group(ctx)
+        if broken is not None:
+            return broken
     options: list[Any] = [group.num_blocks, group.num_blocks + 3, -1, 2**63]  # out of range
     if real:
         options.append(ctx.rng.choice(real))  # repeated in one table
     if group.sliding_window is None and group.kind != "mamba":  # a mamba table may hold nulls (spec/mamba.py)
         options.append(NULL_BLOCK_ID)  # the null block where no window allows it
     table.insert(ctx.rng.randint(first, len(table)), ctx.rng.choice(options))
+    return _with_tables(ctx.out, r.req_id, [table if i == g else t for i, t in enumerate(r.tables)])
+
+
+def _held_in_another_group(ctx: _Ctx) -> SchedulerOutput | None:
+    """With one block pool: a request's table given an id some scheduled request holds in another group."""
+    groups = ctx.config.kv_groups
+    held = [
+        (h, b)
+        for r in ctx.reqs
+        for h in range(ctx.num_groups)
+        for b in r.tables[h][r.live_from(groups[h]) :]
+        if b != NULL_BLOCK_ID
+    ]
+    r = ctx.pick(ctx.reqs)
+    if not held or r is None:
+        return None
+    h, block = ctx.rng.choice(held)
+    g = ctx.rng.choice([x for x in range(ctx.num_groups) if x != h])
+    table = list(r.tables[g])
+    table.insert(ctx.rng.randint(min(r.live_from(groups[g]), len(table)), len(table)), block)
     return _with_tables(ctx.out, r.req_id, [table if i == g else t for i, t in enumerate(r.tables)])
 
 
@@ -416,7 +445,8 @@ def _duplicate_slot(ctx: _Ctx) -> SchedulerOutput | None:
         if h == g:
             tables.append((block_a,))
             continue
-        found = ctx.unused_blocks(h, math.ceil((offset + 1) / group.block_size), ctx.written_blocks(h))
+        mine = {b for t in tables for b in t} if ctx.config.one_block_pool else set()  # one id, one group
+        found = ctx.unused_blocks(h, math.ceil((offset + 1) / group.block_size), ctx.written_blocks(h) | mine)
         if found is None:
             return None
         tables.append(tuple(found))

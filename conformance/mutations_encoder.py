@@ -67,6 +67,10 @@ def cross_block_fault(
         for i, ids in enumerate(cached.new_block_ids or ()):
             held[i] += list(ids)
         taken = {b for row in rows.values() for b in row.block_ids[g]}
+        if config.one_block_pool:  # ids any group lists, or is handed this step, are not the cross group's to take
+            given = [*(n.block_ids for n in out.new_requests), *(c.new_block_ids or () for c in out.cached_requests)]
+            taken |= {b for row in rows.values() for t in row.block_ids for b in t}
+            taken |= {b for tables in given for t in tables for b in t}
         fresh = [b for b in range(1, min(config.kv_groups[g].num_blocks, 4096)) if b not in taken]
         if len(fresh) >= len(held[g]) > 0:
             held[g] = rng.sample(fresh, len(held[g]))  # other blocks: its encoder's KV is not in them

@@ -114,6 +114,21 @@ def _released_id_again(config: WorkerConfig, rows: Mapping[str, RowSnapshot], ou
     return False
 
 
+def _released_id_in_another_group(config: WorkerConfig, rows: Mapping[str, RowSnapshot], out: SchedulerOutput) -> bool:
+    """With one block pool: an id one group's window released is held in another group (vLLM's pool reuses it)."""
+    if not config.one_block_pool:
+        return False
+    computed, tables = _computed(out), _tables_after(out, rows, len(config.kv_groups))
+    released: dict[int, set[int]] = {}  # group -> ids its scheduled tables hold below their window
+    held: dict[int, set[int]] = {}  # group -> ids they hold from their first live entry on
+    for req_id, t in tables.items():
+        for g, group in enumerate(config.kv_groups):
+            first = group.first_live_entry(computed[req_id])
+            released.setdefault(g, set()).update(set(t[g][:first]) - {NULL_BLOCK_ID})
+            held.setdefault(g, set()).update(set(t[g][first:]) - {NULL_BLOCK_ID})
+    return any(released[g] & held[h] for g in released for h in held if g != h)
+
+
 def _null_in_a_window_table(config: WorkerConfig, rows: Mapping[str, RowSnapshot], out: SchedulerOutput) -> bool:
     tables = _tables_after(out, rows, len(config.kv_groups)).values()
     groups = config.kv_groups
@@ -244,6 +259,7 @@ VALID_EDGES: dict[str, Edge] = {
     "a block id num_blocks - 1": _block_id_at_range_end,
     "an id released by the window, live again": _released_id_again,
     "the null block in a windowed table": _null_in_a_window_table,
+    "one block pool: an id a window released, held by another group": _released_id_in_another_group,
     "a table of max_blocks_per_req entries": _table_at_max_blocks,
     "a step writing its table's last entry": _writes_the_last_entry,
     "a null entry just before the first one read": _null_just_before_the_window,
@@ -409,6 +425,9 @@ RULES: tuple[Rule, ...] = (
     Rule(V, "_check_block_ids", "appears twice", "ids distinct among the live entries (released ones may repeat)",
          "an id released by the window, live again", GENERATED,
          (MALFORMATIONS, f"{PIPELINE}::test_a_block_the_window_released_may_come_back_to_the_same_request")),
+    Rule(V, "_check_one_pool", "BlockIdError(s.req_id", "one block pool: an id held in one group at a time",
+         "one block pool: an id a window released, held by another group", GENERATED,
+         (EVERY_CLASS, "conformance/test_one_pool.py")),
     Rule(V, "_check_block_ids", "null block in a group without", "the null block only in windowed groups",
          "the null block in a windowed table", GENERATED, (EVERY_CLASS,)),
     Rule(V, "_check_table_sizes", "blocks >", "at most max_blocks_per_req entries",

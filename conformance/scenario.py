@@ -28,6 +28,7 @@ SPEC_TOKENS = (0, 0, 1, 2, 3, 5)  # most drafts per request per step; 0 (no spec
 ACCEPTANCE_RATES = (0.0, 0.5, 0.8, 1.0)
 MROPE_SHARE = 0.3  # of the scenarios, the share whose model uses M-RoPE (and whose requests carry tables)
 ASYNC_SHARE = 0.3  # of the scenarios with async_scheduling on offer, the share that schedule one step ahead
+ONE_POOL_SHARE = 0.5  # of the scenarios with several KV groups, the share whose groups share one block pool (vLLM's)
 
 
 @dataclass(frozen=True)
@@ -159,9 +160,20 @@ def random_scenario(
     no_mamba = not any(g.kind == "mamba" for g in config.kv_groups)  # async with a mamba group is not modelled
     if async_scheduling and no_mamba and random.Random(f"async {seed}").random() < ASYNC_SHARE:  # own source too
         config = replace(config, async_scheduling=True)
+    if len(config.kv_groups) > 1 and random.Random(f"one pool {seed}").random() < ONE_POOL_SHARE:  # own source
+        config = with_one_block_pool(config)
+        if attention is not None and cache_elements(config, attention) > KV_CACHE_ELEMENT_LIMIT:
+            attention = None
     if spec_decode and not config.async_scheduling:  # its own source: the draws above stay the seed's
         knobs = replace(knobs, drafts_to_the_end=random.Random(f"to the end {seed}").random() < 0.5)
     return Scenario(config, workload, knobs, attention, scenario_seed)
+
+
+def with_one_block_pool(config: WorkerConfig) -> WorkerConfig:
+    """config with its groups drawing from one block pool (vLLM's form): as many real blocks as they had together."""
+    pooled = min(sum(g.num_blocks - 1 for g in config.kv_groups) + 1, MAX_BLOCKS)
+    groups = tuple(replace(g, num_blocks=pooled) for g in config.kv_groups)
+    return replace(config, kv_groups=groups, one_block_pool=True)
 
 
 def with_vllm_form_draw(knobs: SchedulerKnobs, rng: random.Random) -> SchedulerKnobs:

@@ -25,6 +25,7 @@ from conformance.scenario import (
     cache_elements,
     min_blocks,
     with_fp8_draw,
+    with_one_block_pool,
 )
 from conformance.scheduler import RequestShape, SchedulerKnobs, Workload, WorkloadShape, build_workload
 from conformance.scheduler.allocator import ALLOCATION_ORDERS
@@ -149,6 +150,8 @@ def scenarios(
         config = with_mamba_group(config, knobs, random.Random(draw(st.integers(0, 2**32 - 1))))
     elif draw(st.integers(0, 3)) == 0:  # steps scheduled one ahead of the samples (spec/async_steps.py)
         config = replace(config, async_scheduling=True)
+    if len(config.kv_groups) > 1 and draw(st.booleans()):  # vLLM's one block pool for all groups, or one per group
+        config = with_one_block_pool(config)
     attention: AttentionSpec | None = draw(attention_specs())
     if attention is not None and cache_elements(config, attention) > KV_CACHE_ELEMENT_LIMIT:
         attention = None

@@ -48,14 +48,19 @@ def _run(
 
 
 def _check_allocators(sched: ReferenceScheduler) -> None:
-    for g, alloc in enumerate(sched.allocators):
+    for alloc in {id(a): a for a in sched.allocators}.values():  # one allocator for every group with one pool
+        groups = [g for g, a in enumerate(sched.allocators) if a is alloc]
         holders: collections.Counter[int] = collections.Counter()
+        group_of: dict[int, int] = {}  # block -> the group holding it
         for req in sched.requests.values():
-            real = [b for b in req.blocks[g] if b != NULL_BLOCK_ID]
-            assert len(real) == len(set(real)), f"{req.req_id} holds a block twice"
-            holders.update(real)
-            if req.status is not Status.RUNNING:
-                assert not real, f"{req.req_id} is {req.status} but holds blocks"
+            for g in groups:
+                real = [b for b in req.blocks[g] if b != NULL_BLOCK_ID]
+                assert len(real) == len(set(real)), f"{req.req_id} holds a block twice"
+                holders.update(real)
+                for b in real:
+                    assert group_of.setdefault(b, g) == g, f"block {b} held in groups {group_of[b]} and {g}"
+                if req.status is not Status.RUNNING:
+                    assert not real, f"{req.req_id} is {req.status} but holds blocks"
         assert alloc.num_free + alloc.num_used == alloc.num_usable  # free + used = total
         assert dict(holders) == alloc.ref_count  # ref counts match the tables
         for block, n in holders.items():

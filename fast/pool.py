@@ -46,7 +46,7 @@ from fast.released import ReleasedTails
 from fast.runtime import interpret, interpret_enabled, upload, use_triton
 from fast.sampled import record_accepted, record_one_per_row
 from fast.state import DeviceState, HostMirror, write_prompts
-from fast.validate import plan_bulk_step
+from fast.validate import MAX_OWNER_MAP, plan_bulk_step
 from fast.writes import apply_writes, step_writes
 from spec.async_steps import pending_tokens
 from spec.cross_attention import cross_group
@@ -70,6 +70,11 @@ class RequestStatePool:
         self.state: PoolState = HostMirror(config)  # validation and batch order read only this
         self.dev = DeviceState(config, self.device, mirror=self.state if self.host_mode else None)
         self.released = ReleasedTails(config)  # the validator's per-row cache of released entries
+        # [num_blocks] int8 scratch of the one-block-pool check (fast/validate.py), zero between steps; a pool past
+        # MAX_OWNER_MAP ids sorts instead (a map is 1 byte an id, most of it never touched)
+        pooled = config.one_block_pool and len(config.kv_groups) > 1
+        num_ids = config.kv_groups[0].num_blocks
+        self._block_owner = np.zeros(num_ids, np.int8) if pooled and num_ids <= MAX_OWNER_MAP else None
         self.mrope = DeviceMRope(config, self.device, self.host_mode) if config.uses_mrope else None
         self._cross_group = cross_group(config)  # the encoder-decoder's cross group, or None
         self._host_batch = HostBatch()  # host mode: the buffers and tensors batches are handed out in
@@ -89,7 +94,7 @@ class RequestStatePool:
         # spec's plan_step decides async steps the bulk path does not model (spec/async_steps.py): drafts after
         # unverified ones (rule 5), and windows checked from the lowest start a verdict may give (rule 4)
         bulk = self.ahead is None or not (sched.scheduled_spec_decode_tokens or self.state.num_unverified_drafts.any())
-        plan = plan_bulk_step(self.state, sched, self.released.tails) if bulk else None
+        plan = plan_bulk_step(self.state, sched, self.released.tails, self._block_owner) if bulk else None
         if plan is None:
             plan = plan_step(self.state, sched)  # raises spec's error, or accepts what the bulk path left to it
         self._commit(plan)

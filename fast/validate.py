@@ -39,6 +39,7 @@ from spec.state import PoolState, StepPlan, TableWrites, ranges
 from spec.types import NULL_BLOCK_ID, CachedRequest, CachedRequestColumns, NewRequest, SchedulerOutput
 
 _SEQUENCES = (tuple, list)
+MAX_OWNER_MAP = 1 << 26  # the largest pool whose one-block-pool check keeps an id -> group map (64 MiB of int8)
 _EMPTY = np.zeros(0, np.int64)
 _NO_TOKENS = np.zeros(0, np.int32)
 
@@ -47,6 +48,7 @@ def plan_bulk_step(
     state: PoolState,
     sched: SchedulerOutput,
     released_tails: list[np.ndarray | None] | None = None,  # per group [R]: last_released_entries, or None: scan
+    block_owner: np.ndarray | None = None,  # [num_blocks] int8 zeros, with one block pool: _held_in_two_groups'
 ) -> StepPlan | None:
     config = state.config
     # attention groups only: a cross group's rules (spec/cross_attention.py) and a mamba group's state reads
@@ -139,7 +141,7 @@ def plan_bulk_step(
         sched_rows, sched_computed = np.empty(n + num_new, np.int64), np.empty(n + num_new, np.int64)
         sched_rows[cached_at], sched_rows[new_at] = rows, new_rows
         sched_computed[cached_at], sched_computed[new_at] = num_computed, new_computed
-    return StepPlan(
+    plan = StepPlan(
         freed_rows=freed_rows,
         new_req_ids=tuple(new_ids),
         new_rows=new_rows,
@@ -153,6 +155,90 @@ def plan_bulk_step(
         num_drafts=num_drafts,
         draft_ids=draft_ids,
     )
+    if config.one_block_pool and len(config.kv_groups) > 1 and _held_in_two_groups(state, plan, block_owner):
+        return None  # plan_step names the first such entry and its holder
+    return plan
+
+
+def _held_in_two_groups(state: PoolState, plan: StepPlan, owner: np.ndarray | None) -> bool:
+    """With one block pool: some id held by a scheduled request in one group is held in another group too.
+
+    `owner` [num_blocks] int8, all zero: a scratch map id -> 1 + the group holding it, returned zeroed (a
+    step marks its held ids and clears them again, so it costs the held entries, not the pool's size);
+    None (a pool too large for one): the ids are sorted instead.
+    """
+    scratch = owner if owner is not None else np.zeros(0, np.int8)
+    touched = np.empty(sum(plan.rows.shape[0] * t.shape[1] for t in state.block_tables), np.int64)
+    count, clash, num_groups = 0, False, len(state.config.kv_groups)
+    for g, group in enumerate(state.config.kv_groups):
+        w = plan.tables[g]
+        count, clash = _mark_held(
+            state.block_tables[g], state.num_blocks[g], plan.rows, plan.num_computed, w.rows, w.starts, w.lengths,
+            w.ids, w.replaced, group.block_size, group.sliding_window or 0, g, num_groups, scratch, touched, count,
+        )  # fmt: skip
+        if clash:
+            break
+    if owner is not None:
+        _unmark(owner, touched, count)
+        return clash
+    ids, groups = np.divmod(touched[:count], num_groups)  # without a scratch map: (id, group) pairs
+    order = np.lexsort((groups, ids))  # by id, then group: an id held in two groups has two groups side by side
+    ids, groups = ids[order], groups[order]
+    return bool(((ids[1:] == ids[:-1]) & (groups[1:] != groups[:-1])).any())
+
+
+@njit(cache=True, nogil=True)
+def _unmark(owner: np.ndarray, touched: np.ndarray, count: int) -> None:  # pragma: no cover - compiled
+    """Zero the `count` ids of `touched` in `owner` again (_mark_held's marks)."""
+    for i in range(count):
+        owner[touched[i]] = 0
+
+
+@njit(cache=True, nogil=True)
+def _mark_held(  # pragma: no cover - compiled; tested through plan_bulk_step against plan_step
+    table: np.ndarray,  # [R, width] int32, the group's committed table
+    num_blocks: np.ndarray,  # [R] int64 filled entries per row
+    rows: np.ndarray,  # [n] int64 scheduler order -> req_state_idx
+    num_computed: np.ndarray,  # [n] int64 scheduler order
+    write_rows: np.ndarray,  # [k] int64 req_state_idx of each table write
+    write_starts: np.ndarray,  # [k] int64 first entry written
+    write_lengths: np.ndarray,  # [k] int64 ids written
+    write_ids: np.ndarray,  # [sum(write_lengths)] int64
+    replaced: np.ndarray,  # [k] bool: the write replaces the whole table
+    block_size: int,
+    window: int,  # sliding window, 0 for none
+    group: int,
+    num_groups: int,
+    owner: np.ndarray,  # [num_blocks] int8 id -> 1 + its holding group, 0: none yet; or empty: record pairs
+    touched: np.ndarray,  # [n * sum of widths] int64 out: ids marked (with owner), else id * num_groups + group
+    count: int,  # entries of `touched` already used
+) -> tuple[int, bool]:
+    """Group `group`'s held ids after the step (non-null, from each request's first live entry on): marked in
+    `owner`, (count, True) at the first id another group holds; without `owner`, recorded as pairs."""
+    write_of = np.full(table.shape[0], -1, np.int64)  # req_state_idx -> its write, or -1
+    offset = np.zeros(write_rows.shape[0] + 1, np.int64)
+    for k in range(write_rows.shape[0]):
+        write_of[write_rows[k]] = k
+        offset[k + 1] = offset[k] + write_lengths[k]
+    for i in range(rows.shape[0]):
+        row, k = rows[i], write_of[rows[i]]
+        kept = num_blocks[row] if k < 0 else (0 if replaced[k] else write_starts[k])
+        total = kept + (0 if k < 0 else write_lengths[k])
+        lo = 0 if window == 0 else max(0, num_computed[i] - window + 1) // block_size
+        for e in range(lo, total):
+            block = table[row, e] if e < kept else write_ids[offset[k] + e - kept]
+            if block == NULL_BLOCK_ID:
+                continue
+            if owner.shape[0] == 0:
+                touched[count] = block * num_groups + group
+                count += 1
+            elif owner[block] == 0:
+                owner[block] = group + 1
+                touched[count] = block
+                count += 1
+            elif owner[block] != group + 1:
+                return count, True
+    return count, False
 
 
 def _positions(keys: list[str]) -> dict[str, int]:

@@ -114,6 +114,10 @@ class WorkerConfig:
     # steps are scheduled one ahead of the samples (vLLM's async scheduling, spec/async_steps.py): a step's
     # counts assume the previous step's tokens, drafts all accepted, and record_sampled reports faults late
     async_scheduling: bool = False
+    # every group draws its blocks from one pool, as vLLM's KVCacheManager does (one BlockPool for all KV cache
+    # groups): a block id held by one group is not in another group's live table entries at the same time
+    # (check 9, docs/semantics.md "One block pool"); the groups then share num_blocks. False: a pool per group
+    one_block_pool: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv_groups", tuple(self.kv_groups))
@@ -125,6 +129,11 @@ class WorkerConfig:
         if self.async_scheduling and any(g.kind == "mamba" for g in self.kv_groups):  # spec/async_steps.py
             raise ValueError("WorkerConfig.async_scheduling with a mamba group is not modelled: its state index "
                              "depends on the count the device corrects")  # fmt: skip
+        if not isinstance(self.one_block_pool, bool):
+            raise ValueError(f"WorkerConfig.one_block_pool must be a bool, got {self.one_block_pool!r}")
+        if self.one_block_pool and len({getattr(g, "num_blocks", None) for g in self.kv_groups}) > 1:
+            sizes = [getattr(g, "num_blocks", None) for g in self.kv_groups]
+            raise ValueError(f"WorkerConfig.one_block_pool: the groups share one pool, so one num_blocks, got {sizes}")
         if not isinstance(self.uses_mrope, bool):
             raise ValueError(f"WorkerConfig.uses_mrope must be a bool, got {self.uses_mrope!r}")
         if not all(isinstance(g, KVCacheGroup) for g in self.kv_groups):

@@ -17,7 +17,8 @@ backend must use the same order, so that an output with several faults raises th
  8. UnknownTokenError                 num_computed + num_scheduled > known tokens (+ k drafts), or a request
                                       with k drafts whose step does not end exactly at known + k
  9. BlockIdError                      id out of range, repeated among the entries not released by a
-                                      window, null without a window (a mamba table may hold nulls)
+                                      window, null without a window (a mamba table may hold nulls); with
+                                      one block pool, an id held in two groups
 10. BlockTableOverflowError           more blocks than max_blocks_per_req; more drafts than a mamba group's
                                       speculative blocks
 11. MissingBlockError                 a scheduled token past the last block; a cross table shorter than
@@ -197,6 +198,8 @@ def plan_step(state: PoolState, sched: SchedulerOutput) -> StepPlan:
         for s in scheduled:
             for g in range(num_groups):
                 check(state, s, g)
+        if check is _check_block_ids and config.one_block_pool and num_groups > 1:
+            _check_one_pool(state, scheduled)
     _check_unique_slots(state, scheduled)
 
     plan = _plan(state, sched, freed_rows, new_rows, prompts, drafts_of, scheduled)
@@ -450,12 +453,8 @@ def _check_block_ids(state: PoolState, s: _Scheduled, g: int) -> None:
         raise BlockIdError(s.req_id, f"block_ids[{g}]", f"{bad[0]} not in [0, {group.num_blocks})")
     if group.kind == MAMBA:
         return check_ids(s.req_id, g, group, table)
-    # Entries before the step's first read are released for good (this and every later step reads past
-    # them): vLLM's worker table is append-only and its allocator reuses freed blocks first, so such an
-    # entry may hold an id the request is handed again. Ids must be distinct from that entry on.
-    live_from = group.first_live_entry(lowest_start(state, s.req_id, s.num_computed))
-    live = table[live_from:]
-    real = np.sort(live[live != NULL_BLOCK_ID])
+    live_from = _live_from(state, s, g)
+    real = np.sort(_held_ids(state, s, g))
     if (real[1:] == real[:-1]).any():  # sorted, a repeated id sits next to itself
         again = int(real[1:][real[1:] == real[:-1]][0])
         raise BlockIdError(
@@ -463,6 +462,45 @@ def _check_block_ids(state: PoolState, s: _Scheduled, g: int) -> None:
         )
     if group.sliding_window is None and (table == NULL_BLOCK_ID).any():
         raise BlockIdError(s.req_id, f"block_ids[{g}]", "null block in a group without a sliding window")
+
+
+def _live_from(state: PoolState, s: _Scheduled, g: int) -> int:
+    """The first entry of s's table in group g that the request still holds.
+
+    Entries before the step's first read are released for good (this and every later step reads past
+    them): vLLM's worker table is append-only and its allocator reuses freed blocks first, so such an
+    entry may hold an id the request, or another group, is handed again. A mamba table's non-null
+    entries are all states the request holds (spec/mamba.py), and a group without a window releases nothing.
+    """
+    group = state.config.kv_groups[g]
+    if group.kind == MAMBA:
+        return 0
+    return group.first_live_entry(lowest_start(state, s.req_id, s.num_computed))
+
+
+def _held_ids(state: PoolState, s: _Scheduled, g: int) -> np.ndarray:
+    """The non-null ids of s's table in group g from its first live entry on: the blocks it holds there."""
+    live = s.tables[g][_live_from(state, s, g) :]
+    return live[live != NULL_BLOCK_ID]
+
+
+def _check_one_pool(state: PoolState, scheduled: list[_Scheduled]) -> None:
+    """9, with one block pool (WorkerConfig.one_block_pool): an id held in one group is held in no other.
+
+    Requests may share a block within a group (a prefix-cache hit); across groups one id would be two
+    layers' KV in one piece of memory. Only the scheduled requests' held entries are known to be held: an
+    unscheduled row may be a preempted request whose blocks went back to the pool. Scanned request by
+    request (new, then cached, as given) and group by group, the first entry whose id some earlier entry
+    holds in another group is named, with that earlier holder.
+    """
+    holder: dict[int, tuple[int, str]] = {}  # block id -> (group, req_id) of its first held entry
+    for s in scheduled:
+        for g in range(len(state.config.kv_groups)):
+            for block in _held_ids(state, s, g).tolist():
+                first = holder.setdefault(block, (g, s.req_id))
+                if first[0] != g:
+                    detail = f"block {block} is held in group {first[0]} by {first[1]!r} too (one block pool)"
+                    raise BlockIdError(s.req_id, f"block_ids[{g}]", detail)
 
 
 def _check_table_sizes(state: PoolState, s: _Scheduled, g: int) -> None:

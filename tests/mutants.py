@@ -34,6 +34,7 @@ ATTENTION_FAST = "tests/test_fast_attention.py"
 ASYNC = "conformance/test_async.py"
 CROSS = "conformance/test_cross_attention.py"
 MROPE = "conformance/test_mrope.py"
+ONE_POOL = "conformance/test_one_pool.py"
 
 MUTANTS: tuple[Mutant, ...] = (
     Mutant(
@@ -80,9 +81,33 @@ MUTANTS: tuple[Mutant, ...] = (
         "spec-window-reuse-refused",
         "9 BlockIdError: ids distinct among live entries only",
         "spec/validate.py",
-        "live = table[live_from:]",
-        "live = table",
+        "live = s.tables[g][_live_from(state, s, g) :]",
+        "live = s.tables[g]",
         (PIPELINE,),
+    ),
+    Mutant(
+        "spec-one-pool-unchecked",
+        "9 BlockIdError: with one block pool, an id held in one group at a time",
+        "spec/validate.py",
+        "if check is _check_block_ids and config.one_block_pool and num_groups > 1:",
+        "if check is _check_block_ids and config.one_block_pool and num_groups > 9:",
+        (ONE_POOL, INVALID),
+    ),
+    Mutant(
+        "spec-one-pool-released-entries-held",
+        "9 BlockIdError: a block a window released may go to another group",
+        "spec/validate.py",
+        "for block in _held_ids(state, s, g).tolist():",
+        "for block in set(s.tables[g].tolist()) - {NULL_BLOCK_ID}:",
+        (ONE_POOL,),
+    ),
+    Mutant(
+        "fast-one-pool-unchecked",
+        "9 BlockIdError: with one block pool, an id held in one group at a time (fast's bulk check)",
+        "fast/validate.py",
+        "elif owner[block] != group + 1:",
+        "elif owner[block] == 127:",
+        (ONE_POOL, INVALID),
     ),
     Mutant(
         "fast-released-entries-not-rechecked",

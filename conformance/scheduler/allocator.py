@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import random
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator
 
 from spec.types import NULL_BLOCK_ID
 
@@ -29,8 +29,10 @@ class BlockAllocator:
         self._num_fresh_used = 0  # fresh blocks handed out so far: the next is _fresh(_num_fresh_used)
         self._freed: OrderedDict[int, None] = OrderedDict()  # LRU: freed first -> evicted first
         self.ref_count: dict[int, int] = {}  # block -> holders; only blocks with holders
-        self.cached: dict[int, int] = {}  # chained block hash -> block (full, computed blocks)
-        self.hash_of: dict[int, int] = {}  # block -> its hash while cached
+        # key -> block (full, computed blocks): the chained block hash, with the group's index where groups
+        # share one allocator (vLLM's BlockHashWithGroupId: a block caches one group's KV)
+        self.cached: dict[Hashable, int] = {}
+        self.hash_of: dict[int, Hashable] = {}  # block -> its key while cached
         rng = random.Random(seed)
         # random order: an affine bijection of [0, num_usable), so it stays lazy for huge groups
         self._stride = 1
@@ -83,14 +85,14 @@ class BlockAllocator:
             self._freed[block] = None  # keeps its hash: a later request may still hit it
 
     # ---- prefix cache -----------------------------------------------------------------------
-    def register(self, block: int, block_hash: int) -> None:
+    def register(self, block: int, block_hash: Hashable) -> None:
         """Block `block` now holds the computed KV of the full block whose chained hash is `block_hash`."""
         if block_hash in self.cached or block in self.hash_of:
             return  # the first block computed for a hash stays the cached one
         self.cached[block_hash] = block
         self.hash_of[block] = block_hash
 
-    def lookup(self, block_hash: int) -> int | None:
+    def lookup(self, block_hash: Hashable) -> int | None:
         return self.cached.get(block_hash)
 
     # ---- internals --------------------------------------------------------------------------

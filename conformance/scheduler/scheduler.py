@@ -56,10 +56,14 @@ class ReferenceScheduler:
         self.rng = random.Random(seed)
         self.groups = config.kv_groups
         self.cross = cross_group(config)  # the encoder's KV (spec/cross_attention.py), or None
-        self.allocators = [
-            BlockAllocator(g.num_blocks, knobs.allocation_order, knobs.reuse_freed_first, seed=seed * 31 + i)
-            for i, g in enumerate(self.groups)
-        ]
+        if config.one_block_pool:  # vLLM's form: every group allocates from one BlockPool (the same object)
+            shared = BlockAllocator(self.groups[0].num_blocks, knobs.allocation_order, knobs.reuse_freed_first, seed)
+            self.allocators = [shared] * len(self.groups)
+        else:
+            self.allocators = [
+                BlockAllocator(g.num_blocks, knobs.allocation_order, knobs.reuse_freed_first, seed=seed * 31 + i)
+                for i, g in enumerate(self.groups)
+            ]
         ids = [r.req_id for r in workload.requests]
         if len(set(ids)) != len(ids):
             raise ValueError("workload req_ids must be unique")
@@ -141,7 +145,7 @@ class ReferenceScheduler:
         self.step_index += 1
         self.stats.steps += 1
         self.stats.scheduled_tokens += out.total_num_scheduled_tokens
-        self.stats.block_usage.append([a.num_used for a in self.allocators])
+        self.stats.block_usage.append(self._blocks_in_use())
         return out
 
     def pad_to(self, out: SchedulerOutput) -> int | None:
@@ -404,6 +408,8 @@ class ReferenceScheduler:
         reserved: list[int] | None = None,
     ) -> int:
         """Most tokens <= want, from position `start`, whose missing blocks every group can allocate now."""
+        if self.config.one_block_pool:
+            return self._fit_one_pool(req, start, table_lens, want, sum(reserved) if reserved else 0)
         fit = want
         for g, group in enumerate(self.groups):
             free = self.allocators[g].num_free - (reserved[g] if reserved else 0)
@@ -414,14 +420,36 @@ class ReferenceScheduler:
             fit = min(fit, held * group.block_size - start)
         return max(fit, 0)
 
+    def _fit_one_pool(self, req: SchedRequest, start: int, table_lens: list[int], want: int, reserved: int) -> int:
+        """_fit with one block pool: the most tokens whose missing blocks, every group's together, are free."""
+        free = self.allocators[0].num_free - reserved
+        lo, hi = 0, want
+        while lo < hi:  # the groups' need grows with the tokens run: the largest count that fits
+            mid = (lo + hi + 1) // 2
+            if sum(self._need(req, g, start + mid, table_lens[g]) for g in range(len(self.groups))) <= free:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def _need(self, req: SchedRequest, g: int, end: int, held: int) -> int:
+        """Blocks group g must still allocate for positions up to `end` (exclusive), holding `held` entries."""
+        group = self.groups[g]
+        if g == self.cross:
+            return _cross_need(req, held, group.block_size)
+        return max(math.ceil(end / group.block_size) + speculative_blocks(group) - held, 0)
+
+    def _blocks_in_use(self) -> list[int]:
+        """Per group, the blocks its requests hold (with one pool, counted by the group that holds them)."""
+        if not self.config.one_block_pool:
+            return [a.num_used for a in self.allocators]
+        return [len({b for r in self.running for b in r.blocks[g]} - {NULL_BLOCK_ID}) for g in range(len(self.groups))]
+
     def _grow(self, req: SchedRequest, n: int, step: _Step) -> tuple[tuple[int, ...], ...]:
         """Allocate the blocks positions [num_computed, num_computed + n) still lack, per group."""
         added = []
-        for g, group in enumerate(self.groups):
-            need = math.ceil((req.num_computed + n) / group.block_size) + speculative_blocks(group) - len(req.blocks[g])
-            if g == self.cross:
-                need = _cross_need(req, len(req.blocks[g]), group.block_size)
-            new = self.allocators[g].allocate(max(need, 0))
+        for g in range(len(self.groups)):
+            new = self.allocators[g].allocate(self._need(req, g, req.num_computed + n, len(req.blocks[g])))
             step.fresh[g] += new
             self.stats.window_reuses += len(set(new).intersection(req.pool_tables[g]))  # handed back to its owner
             req.blocks[g] += new
@@ -467,7 +495,7 @@ class ReferenceScheduler:
         for g, group in enumerate(self.groups):
             chain = []
             for h in req.block_hashes(g, group.block_size):
-                block = self.allocators[g].lookup(h)
+                block = self.allocators[g].lookup((g, h))  # a group's own cache: with one pool, ids are shared
                 if block is None:
                     break
                 chain.append(block)
@@ -491,7 +519,7 @@ class ReferenceScheduler:
             full = min(req.num_computed // group.block_size, len(hashes))
             for j in range(req.num_hashed[g], full):
                 if req.blocks[g][j] != NULL_BLOCK_ID:
-                    self.allocators[g].register(req.blocks[g][j], hashes[j])
+                    self.allocators[g].register(req.blocks[g][j], (g, hashes[j]))
             req.num_hashed[g] = max(req.num_hashed[g], full)
 
     # ---- leaving ----------------------------------------------------------------------------

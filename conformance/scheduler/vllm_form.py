@@ -16,9 +16,10 @@ with the value vLLM's scheduler (vllm/v1/core/sched/scheduler.py) would send for
 - `new_block_ids_to_zero`: vLLM sends it only when its KV cache needs zeroing (a mamba layer, or a
   mixed-precision cache: knob `zero_new_blocks`; otherwise None) and then lists every block its managers
   allocated this step, prefix-cache hits not included, in attention groups only (its mamba manager records
-  none). vLLM's block ids are one namespace across groups (one block pool), slotmap's are one per group and
-  the list names no group: zeroing id b zeros b in every group, so an id is listed only while no other
-  group holds it. No token has written such a block: a step writes its fresh blocks, it never reads them;
+  none). vLLM's block ids are one namespace across groups (one block pool): with `one_block_pool` every
+  fresh id is listed; with a pool per group the list names no group, so zeroing id b zeros b in every
+  group, and an id is listed only while no other group holds it. No token has written such a block: a
+  step writes its fresh blocks, it never reads them;
 - `num_common_prefix_blocks`: empty, as 0.32 sends it (cascade attention is gone); with knob
   `common_prefix_blocks`, per group the leading blocks every running request's table shares (live, not
   null), which is what vLLM computed before 0.32 from reference counts; 0 for mamba and cross-attention
@@ -102,9 +103,12 @@ def blocks_to_zero(sched: ReferenceScheduler) -> list[int] | None:
     groups = sched.groups
     if not (sched.knobs.zero_new_blocks or any(g.kind == "mamba" for g in groups)):
         return None  # vLLM's uniform-precision caches without mamba layers skip zeroing
-    ids = []
+    ids: list[int] = []
     for g, fresh in enumerate(sched.fresh_blocks):
         if groups[g].kind == "mamba":
+            continue
+        if sched.config.one_block_pool:  # vLLM's own form: a fresh id is this group's alone
+            ids += fresh
             continue
         others = [a for h, a in enumerate(sched.allocators) if h != g]
         ids += [b for b in fresh if all(a.is_free(b) for a in others)]

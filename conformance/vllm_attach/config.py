@@ -16,7 +16,8 @@ def worker_config_from_vllm(vllm_config: Any, kv_cache_config: Any) -> WorkerCon
 
     One KVCacheGroup per vLLM KV cache group, in vLLM's order (group g is `block_table[g]` and
     `slot_mapping[g]` of the shadow checker). vLLM has one block pool for all groups, so every group gets
-    `kv_cache_config.num_blocks`; its block 0 is vLLM's null block, as slotmap's. A group that is neither
+    `kv_cache_config.num_blocks` and `one_block_pool` is on (an id a group holds is in no other group's live
+    entries); its block 0 is vLLM's null block, as slotmap's. A group that is neither
     full attention nor sliding-window attention (Mamba state, chunked local attention, cross or
     encoder-only attention, MLA's compressed caches) is refused: slotmap's slot and table rules are those
     of token-to-slot paged attention only.
@@ -49,4 +50,5 @@ def worker_config_from_vllm(vllm_config: Any, kv_cache_config: Any) -> WorkerCon
         max_num_batched_tokens=int(sched.max_num_batched_tokens),
         vocab_size=int(model.get_vocab_size()),
         kv_groups=tuple(groups),
+        one_block_pool=True,
     )
