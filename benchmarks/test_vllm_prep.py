@@ -43,6 +43,8 @@ pytest.importorskip("vllm", reason="needs vLLM: run with .venv-vllm/bin/python (
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core and its runner in this process
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# the replay calls v1's _update_states + _prepare_inputs: v1's runner, where vLLM would build model runner v2
+os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
 
 import torch
 

@@ -15,14 +15,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from conformance.vllm_attach import StepRecord, VllmShadow, attach
+from conformance.vllm_attach import AttachedShadow, StepRecord, attach
 from conformance.vllm_attach.compat import let_vllm_scan_modules_beside_numba
 
 MODELS = Path(__file__).resolve().parent / "models"
 
 
 @contextmanager
-def engine(model: str, repro_dir: Path, **overrides: Any) -> Iterator[tuple[Any, VllmShadow, Counter[str]]]:
+def engine(model: str, repro_dir: Path, **overrides: Any) -> Iterator[tuple[Any, AttachedShadow, Counter[str]]]:
     """(llm, its attached shadow, calls) for a model in models/; `calls["execute_model"]` counts the engine's
     steps independently of the shadow (a wrapper around the shadow's own)."""
     from vllm import LLM
@@ -79,7 +79,8 @@ class Features:
     partial_prefills: int = 0  # (step, request) pairs that left part of the prompt for a later step
     prefix_hits: int = 0  # new requests that started with cached tokens (NewRequestData.num_computed_tokens > 0)
     preemptions: int = 0  # SchedulerOutput.preempted_req_ids
-    resumptions: int = 0  # CachedRequestData.resumed_req_ids
+    # CachedRequestData.resumed_req_ids; for model runner v2, a preempted request scheduled again as a new one
+    resumptions: int = 0
     drafts: int = 0  # draft tokens scheduled
     accepted_drafts: int = 0  # of them, kept by the rejection sampler
     # a block handed out again while an earlier entry of a live table still names it: only a sliding window
@@ -96,14 +97,20 @@ def features(records: Sequence[StepRecord], num_groups: int) -> Features:
     f = Features(steps=len(records))
     prompt_len: dict[str, int] = {}
     tables: dict[str, list[list[int]]] = {}  # req_id -> per group, the worker's append-only table
+    preempted: set[str] = set()  # requests preempted and not yet resumed
     for rec in records:
         out = rec.sched
         for r in set(out.finished_req_ids) | set(out.preempted_req_ids or ()):
             tables.pop(r, None)  # its blocks went back to the pool
         f.preemptions += len(out.preempted_req_ids or ())
+        preempted = (preempted | set(out.preempted_req_ids or ())) - set(out.finished_req_ids)
         for new in out.scheduled_new_reqs:
             prompt_len[new.req_id] = len(new.prompt_token_ids)
-            f.prefix_hits += new.num_computed_tokens > 0
+            if new.req_id in preempted:  # model runner v2: a resumption is sent as a new request
+                f.resumptions += 1
+                preempted.discard(new.req_id)
+            else:
+                f.prefix_hits += new.num_computed_tokens > 0
             tables[new.req_id] = [list(g) for g in new.block_ids]
             done = new.num_computed_tokens + out.num_scheduled_tokens[new.req_id]
             f.partial_prefills += done < prompt_len[new.req_id]
@@ -112,6 +119,7 @@ def features(records: Sequence[StepRecord], num_groups: int) -> Features:
             blocks, computed = cached.new_block_ids[i], cached.num_computed_tokens[i]
             if r in cached.resumed_req_ids:
                 f.resumptions += 1
+                preempted.discard(r)
                 tables[r] = [list(g) for g in blocks] if blocks is not None else [[] for _ in range(num_groups)]
             elif blocks is not None:
                 for g, ids in enumerate(blocks):

@@ -1,5 +1,6 @@
 """The vllm.general_plugins entry point: installed with slotmap, idle unless SLOTMAP_SHADOW=1, and then it
-shadows a model runner vLLM builds on its own (no attach call), from the runner's first step."""
+shadows a model runner vLLM builds on its own (no attach call), from the runner's first step. (Model runner
+v2 through the plugin, and a runner it cannot check: test_mrv2.py.)"""
 
 from __future__ import annotations
 
@@ -13,28 +14,28 @@ from tests.live_vllm.engine import MODELS, generate
 
 def test_the_entry_point_is_what_vllm_loads(monkeypatch: pytest.MonkeyPatch) -> None:
     from vllm.plugins import load_plugins_by_group
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    from vllm.v1.worker.worker_base import WorkerWrapperBase
 
     from conformance.vllm_attach import plugin
 
-    own = GPUModelRunner.execute_model
-    monkeypatch.setattr(GPUModelRunner, "execute_model", own)  # restored after the test, whatever register does
+    own = WorkerWrapperBase.init_device
+    monkeypatch.setattr(WorkerWrapperBase, "init_device", own)  # restored after the test, whatever register does
     monkeypatch.delenv(plugin.ENV, raising=False)
     found = load_plugins_by_group("vllm.general_plugins")
     assert found.get("slotmap_shadow") is plugin.register
     plugin.register()
-    assert GPUModelRunner.execute_model is own  # off unless asked
+    assert WorkerWrapperBase.init_device is own  # off unless asked
 
 
 def test_with_slotmap_shadow_set_every_step_of_a_plain_llm_is_checked(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from vllm import LLM
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    from vllm.v1.worker.worker_base import WorkerWrapperBase
 
-    from conformance.vllm_attach import model_runner_of, plugin
+    from conformance.vllm_attach import VllmShadow, model_runner_of, plugin
 
-    monkeypatch.setattr(GPUModelRunner, "execute_model", GPUModelRunner.execute_model)
+    monkeypatch.setattr(WorkerWrapperBase, "init_device", WorkerWrapperBase.init_device)
     monkeypatch.setenv(plugin.ENV, "1")
     monkeypatch.setenv("SLOTMAP_SHADOW_REPRO_DIR", str(tmp_path))
     plugin.register()  # what vLLM's load_general_plugins() does in each of its processes (once per process)
@@ -45,6 +46,7 @@ def test_with_slotmap_shadow_set_every_step_of_a_plain_llm_is_checked(
     try:
         outputs = generate(llm, [list(range(30, 130)), [3, 4, 5]], max_tokens=8)
         shadow = model_runner_of(llm)._slotmap_shadow
+        assert isinstance(shadow, VllmShadow)  # the v1 runner (test_mrv2.py serves model runner v2)
         assert [len(o) for o in outputs] == [8, 8]
         assert shadow.checker.step_index == shadow.steps_checked >= 8 + 1  # 100 tokens at 64 a step: a chunk, then 8
         assert not shadow.records  # the plugin keeps none (a served engine runs indefinitely)
