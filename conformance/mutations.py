@@ -65,6 +65,10 @@ class _Ctx:
         self.rows = {row.req_id: row for row in snapshot}
         self.num_groups = len(config.kv_groups)
         self.reqs = scheduled_requests(out, config, snapshot)
+        # the requests whose tables a breaker may resend (a cached one then comes back resumed): under async
+        # scheduling not one that may have unverified drafts behind it, whose resumption is refused first
+        # (check 8, spec/async_steps.py rule 7); `may_draft` says its verdict was read
+        self.table_reqs = [r for r in self.reqs if r.is_new or r.resumed or r.may_draft]
 
     def free_rows_after(self) -> int:
         held = len(self.rows) - len(self.out.finished_req_ids) + len(self.out.new_requests)
@@ -277,7 +281,7 @@ def _unknown_token(ctx: _Ctx) -> SchedulerOutput | None:
 
 
 def _block_id(ctx: _Ctx) -> SchedulerOutput | None:
-    r = ctx.pick(ctx.reqs)
+    r = ctx.pick(ctx.table_reqs)
     if r is None:
         return None
     g = ctx.rng.randrange(ctx.num_groups)
@@ -311,7 +315,7 @@ def _held_in_another_group(ctx: _Ctx) -> SchedulerOutput | None:
         for b in r.tables[h][r.live_from(groups[h]) :]
         if b != NULL_BLOCK_ID
     ]
-    r = ctx.pick(ctx.reqs)
+    r = ctx.pick(ctx.table_reqs)
     if not held or r is None:
         return None
     h, block = ctx.rng.choice(held)
@@ -323,7 +327,7 @@ def _held_in_another_group(ctx: _Ctx) -> SchedulerOutput | None:
 
 def _malformed_block_id(ctx: _Ctx) -> SchedulerOutput | None:
     """One entry of a table as a float (whole or not), or a table that is not a list of integers."""
-    holding = [(r, g) for r in ctx.reqs for g in range(ctx.num_groups) if r.tables[g]]
+    holding = [(r, g) for r in ctx.table_reqs for g in range(ctx.num_groups) if r.tables[g]]
     if not holding:
         return None
     r, g = ctx.rng.choice(holding)
@@ -368,7 +372,7 @@ def _repeated_block_appended(ctx: _Ctx) -> SchedulerOutput | None:
 
 
 def _table_overflow(ctx: _Ctx) -> SchedulerOutput | None:
-    r = ctx.pick(ctx.reqs)
+    r = ctx.pick(ctx.table_reqs)
     if r is None:
         return None
     for g in ctx.rng.sample(range(ctx.num_groups), ctx.num_groups):
@@ -389,7 +393,7 @@ def _missing_block(ctx: _Ctx) -> SchedulerOutput | None:
     cross = cross_group(ctx.config)
     if cross is not None and ctx.rng.random() < 0.5:  # the encoder's blocks (spec/cross_attention.py)
         return cross_block_fault(ctx.out, ctx.config, ctx.rows, ctx.rng)
-    r = ctx.pick(ctx.reqs)
+    r = ctx.pick(ctx.table_reqs)
     if r is None:
         return None
     g = ctx.rng.choice([g for g in range(ctx.num_groups) if g != cross])
@@ -399,7 +403,7 @@ def _missing_block(ctx: _Ctx) -> SchedulerOutput | None:
 
 def _null_block(ctx: _Ctx) -> SchedulerOutput | None:
     windows = [g for g, group in enumerate(ctx.config.kv_groups) if group.sliding_window is not None]
-    r = ctx.pick([r for r in ctx.reqs if resumable(ctx.config, r.num_computed, r.is_new)])  # keeps mamba reads
+    r = ctx.pick([r for r in ctx.table_reqs if resumable(ctx.config, r.num_computed, r.is_new)])  # keeps mamba reads
     if r is None or not windows:
         return None
     g = ctx.rng.choice(windows)
@@ -421,7 +425,7 @@ def _duplicate_slot(ctx: _Ctx) -> SchedulerOutput | None:
         pos_a = ctx.rng.randint(a.num_computed, a.last)
         block_a, offset = a.tables[g][pos_a // bs], pos_a % bs
         for b in writers:
-            if b is a or not resumable(ctx.config, b.num_computed, b.is_new):  # a resumed table keeps mamba reads
+            if b is a or b not in ctx.table_reqs or not resumable(ctx.config, b.num_computed, b.is_new):
                 continue
             positions = [p for p in range(b.num_computed, b.last + 1) if p % bs == offset]
             if not positions:
@@ -490,7 +494,7 @@ def _repeated_block_in_table(ctx: _Ctx) -> SchedulerOutput | None:
     groups = ctx.config.kv_groups
     holding = [
         (r, g)
-        for r in ctx.reqs
+        for r in ctx.table_reqs
         for g in range(ctx.num_groups)
         if any(b != NULL_BLOCK_ID for b in r.tables[g][r.live_from(groups[g]) :])
     ]

@@ -63,6 +63,8 @@ def cross_block_fault(
     for cached in out.cached_requests:
         if cached.resumed or cached.num_computed_tokens == 0:
             continue
+        if config.async_scheduling and cached.req_id not in out.scheduled_spec_decode_tokens:
+            continue  # may have unverified drafts behind it: resumed, check 8 refuses it first (async rule 7)
         held = [list(t) for t in rows[cached.req_id].block_ids]
         for i, ids in enumerate(cached.new_block_ids or ()):
             held[i] += list(ids)

@@ -417,6 +417,11 @@ RULES: tuple[Rule, ...] = (
          "no drafts right after drafts whose verdict the host has not read",
          "drafts under async scheduling, the verdict before them read", GENERATED,
          (f"{ASYNC}::test_async_runs_agree_with_spec_on_every_step", DRAFT_FAULTS)),
+    Rule("async_steps.py", "check_resumed_within_known", "UnknownTokenError(cached.req_id",
+         "a request resumed while its drafts' verdict is unread runs over the tokens it held before them",
+         f"{ASYNC}::test_a_resumption_over_the_tokens_held_before_unread_drafts_runs",
+         f"{ASYNC}::test_a_resumption_past_the_tokens_held_before_unread_drafts_is_refused",
+         (f"{ASYNC}::test_a_resumption_past_the_tokens_held_before_unread_drafts_is_refused",)),
     # checks 9-13 (spec/validate.py, per group)
     Rule(V, "_check_block_ids", '"not a tuple, list', "block ids are integer ids",
          EVERY_STEP, GENERATED, (MALFORMATIONS,)),

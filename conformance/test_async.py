@@ -87,6 +87,36 @@ def test_drafts_right_after_unverified_drafts_are_refused(backend: BackendHandle
     assert pool.snapshot() == before
 
 
+@pytest.mark.parametrize("num_tokens", [7, 9])
+def test_a_resumption_past_the_tokens_held_before_unread_drafts_is_refused(
+    backend: BackendHandle, num_tokens: int
+) -> None:
+    # Both drafts rejected, 9 sampled: the scheduler counts 5 + 1 + 3 = 9 tokens, 7 in truth. Preempted and
+    # resumed at once, "a" may run over the 6 tokens it held before that record: position 6 holds 7 or 9 and
+    # position 8 a token or none, as the unread verdict says (the case, with n = 12 and 14 there).
+    pool = _prefill(backend)
+    _drafting_step(backend, pool, [9])
+    before = pool.snapshot()
+    resumed = SchedulerOutput(cached_requests=(CachedRequest("a", 0, ((5,),), resumed=True),),
+                              num_scheduled_tokens={"a": num_tokens})  # fmt: skip
+    with pytest.raises(UnknownTokenError, match="unread verdict on its 2 drafts decides the tokens from position 6"):
+        pool.apply(resumed)
+    assert pool.snapshot() == before
+
+
+def test_a_resumption_over_the_tokens_held_before_unread_drafts_runs(backend: BackendHandle) -> None:
+    pool = _prefill(backend)
+    _drafting_step(backend, pool, [9])
+    resumed = SchedulerOutput(cached_requests=(CachedRequest("a", 0, ((5,),), resumed=True),),
+                              num_scheduled_tokens={"a": 6})  # fmt: skip
+    pool.apply(resumed)
+    got = backend.batch_to_numpy(pool.prepare(resumed))
+    assert got["positions"].tolist() == list(range(6)) and got["input_ids"].tolist() == [*PROMPT, 42]
+    assert got["pending_token_indices"].size == 0 and got["slot_mappings"][0].tolist() == [5 * 16 + p for p in range(6)]
+    (row,) = pool.snapshot()
+    assert row.token_ids == (*PROMPT, 42, 9)  # the correction took the two rejected drafts out
+
+
 def test_a_window_is_checked_from_the_lowest_start_a_verdict_gives(backend: BackendHandle) -> None:
     # Window 4, block 2. Prompt 5 in blocks (3, 4, 5), then a decode with drafts at positions 6, 7 (block 6); the
     # sampler keeps no draft. The scheduler counts 9 tokens and sends the next step at num_computed 8, whose window

@@ -35,6 +35,13 @@ on the device. What changes, rule by rule (docs/semantics.md, "Async scheduling"
    PLACEHOLDER_TOKEN_ID (-1) for each taking row's 1 + k tokens, so a batch prepared before the report carries
    -1, which no embedding lookup accepts, instead of a plausible stale id. After the report the pool goes on.
 
+7. A resumed request waits for its verdict. A request preempted while the verdict on its last record's k drafts
+   is unread, and resumed at once, may be scheduled only over the tokens it held before that record (vLLM's
+   scheduler resets the in-flight placeholders on preemption and resumes over the tokens it has): past them,
+   the position of each token depends on how many drafts were rejected, and rule 2 corrects no resumed count.
+   Refused otherwise (UnknownTokenError, check 8), in every backend alike. Without drafts the record's one
+   sample has one position, and rule 3 finds it.
+
 A run in async order ends in the pool a synchronous run ends in: the tokens recorded, the counts corrected
 (`conformance/test_async.py` drives both on every backend and compares them).
 """
@@ -130,6 +137,23 @@ def check_no_drafts_after_unverified(state: PoolState, sched: SchedulerOutput) -
         if len(value) and row is not None and state.num_unverified_drafts[row]:
             detail = f"drafts after {state.num_unverified_drafts[row]} drafts whose verdict the host has not read"
             raise UnknownTokenError(req_id, "scheduled_spec_decode_tokens", detail)
+
+
+def check_resumed_within_known(state: PoolState, sched: SchedulerOutput) -> None:
+    """Rule 7 (check 8): a request resumed while the verdict on its last record's k drafts is unread may be
+    scheduled only over the tokens it held before that record: from there on, which token stands at which
+    position is the verdict's (with r drafts rejected, the sample lands r positions earlier)."""
+    for cached in sched.cached_requests:
+        row = state.row_of.get(cached.req_id)
+        k = 0 if row is None else int(state.num_unverified_drafts[row])
+        if not (cached.resumed and k):
+            continue
+        held = int(state.num_known_tokens[row]) - 1 - k  # the scheduler's count less the record's 1 + k tokens
+        end = int(cached.num_computed_tokens) + int(sched.num_scheduled_tokens[cached.req_id])
+        if end > held:
+            detail = (f"resumed up to position {end - 1}, but the unread verdict on its {k} drafts decides the "
+                      f"tokens from position {held} on")  # fmt: skip
+            raise UnknownTokenError(cached.req_id, "num_scheduled_tokens", detail)
 
 
 def lowest_start(state: PoolState, req_id: str, num_computed: int) -> int:

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from spec.async_steps import check_no_drafts_after_unverified, lowest_start
+from spec.async_steps import check_no_drafts_after_unverified, check_resumed_within_known, lowest_start
 from spec.cross_attention import (
     check_cross_blocks,
     check_encoder_fields,
@@ -194,6 +194,7 @@ def plan_step(state: PoolState, sched: SchedulerOutput) -> StepPlan:
             raise UnknownTokenError(s.req_id, "scheduled_spec_decode_tokens", detail)
     if config.async_scheduling:
         check_no_drafts_after_unverified(state, sched)
+        check_resumed_within_known(state, sched)
     for check in (_check_block_ids, _check_table_sizes, _check_blocks_present, _check_null_reads):
         for s in scheduled:
             for g in range(num_groups):

@@ -86,6 +86,14 @@ MUTANTS: tuple[Mutant, ...] = (
         (PIPELINE,),
     ),
     Mutant(
+        "async-resume-past-unread-verdict",
+        "8 UnknownTokenError: a resumption with its drafts' verdict unread runs over the tokens held before them",
+        "spec/async_steps.py",
+        "        if end > held:",
+        "        if end > held + 3:",
+        (ASYNC,),
+    ),
+    Mutant(
         "spec-one-pool-unchecked",
         "9 BlockIdError: with one block pool, an id held in one group at a time",
         "spec/validate.py",
