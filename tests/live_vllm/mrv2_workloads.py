@@ -17,6 +17,7 @@ once), and writes what happened to OUT.json; test_mrv2.py asserts on it. The wor
   MRv2's own input preparation, rejection sampler and bookkeeping run unchanged. Then, in the same engine,
   `ngram_planted`: one draft's logits row moved a token early after MRv2's
   `combine_sampled_and_draft_tokens`, which the checker must name (`logits_indices`);
+- `drive_v2`: MRv2 driven by the reference scheduler's steps instead of vLLM's scheduler (conformance.vllm_drive);
 - `plugin`: SLOTMAP_SHADOW=1 and no attach call: the entry point attaches to MRv2's runner itself.
 
 Each engine step is counted apart from the shadow (a wrapper around the executor's or the runner's
@@ -180,6 +181,26 @@ def ngram_then_planted(work: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     return result, {"planted": planted, **caught}
 
 
+def drive_v2(work: Path) -> dict[str, Any]:
+    """MRv2 driven by the reference scheduler's steps (conformance.vllm_drive), vLLM's scheduler bypassed: few
+    blocks (preemptions, resumptions on the next step), prefix hits, chunks, prompt-lookup drafts written into
+    MRv2's draft store (conformance/vllm_drive/mrv2_drafts.py), every step checked."""
+    from conformance.scheduler import SchedulerKnobs
+    from conformance.vllm_attach import model_runner_of
+    from conformance.vllm_drive import DrivePlan, EngineSpec, build_llm, drive, shutdown
+    from tests.live_vllm.engine import MODELS
+
+    llm = build_llm(EngineSpec(str(MODELS / "llama"), num_blocks=64, spec_tokens=3, runner="v2"))
+    try:
+        knobs = SchedulerKnobs(spec_tokens=3, max_chunk=40, reuse_freed_first=True)
+        report = drive(llm, DrivePlan(knobs, seed=0, scheduler_blocks=12), steps=80, repro_dir=work / "drive")
+        fields = ("steps", "steps_checked", "preemptions", "next_step_resumptions", "prefix_hits",
+                  "chunked_prefills", "drafts_accepted", "drafts_rejected")  # fmt: skip
+        return {"runner": classes(model_runner_of(llm)), **{f: getattr(report, f) for f in fields}}
+    finally:
+        shutdown(llm)
+
+
 def plugin(work: Path) -> dict[str, Any]:
     from vllm import LLM
 
@@ -228,7 +249,7 @@ def main(out: Path, work: Path) -> None:
     os.environ.pop("SLOTMAP_SHADOW", None)  # the plugin workload turns it on, last
     results: dict[str, Any] = {"seconds": {}}
     for name, run in (("llama", llama_then_planted), ("gemma2", gemma2), ("ngram", ngram_then_planted),
-                      ("plugin", plugin)):  # fmt: skip
+                      ("drive_v2", drive_v2), ("plugin", plugin)):  # fmt: skip
         start = time.perf_counter()
         result = run(work)
         if isinstance(result, tuple):

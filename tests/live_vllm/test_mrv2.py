@@ -71,6 +71,14 @@ def test_two_kv_groups_window_releases(served: dict[str, Any]) -> None:
     assert w["features"]["partial_prefills"] > 0, w["features"]
 
 
+def test_model_runner_v2_driven_by_slotmaps_scheduler(served: dict[str, Any]) -> None:
+    w = workload(served, "drive_v2")
+    assert MRV2 in w["runner"], w["runner"]
+    assert w["steps_checked"] == w["steps"] >= 80, w
+    assert w["preemptions"] > 0 and w["next_step_resumptions"] > 0 and w["chunked_prefills"] > 0, w
+    assert w["drafts_accepted"] > 0 and w["drafts_rejected"] > 0, w
+
+
 def test_drafts_accepted_and_rejected(served: dict[str, Any]) -> None:
     f = workload(served, "ngram")["features"]
     assert f["drafts"] > f["accepted_drafts"] > 0, f  # some kept, some rejected
