@@ -31,7 +31,7 @@ is accepted. The modules:
 Importing this package imports nothing from vLLM; the functions that need it import it when called.
 """
 
-from conformance.vllm_drive.driver import DriveError, DriveUnsupportedError, drive
+from conformance.vllm_drive.driver import DriveError, drive
 from conformance.vllm_drive.engine import (
     EngineSpec,
     RunnerKindError,
@@ -52,7 +52,6 @@ __all__ = [
     "DriveError",
     "DrivePlan",
     "DriveReport",
-    "DriveUnsupportedError",
     "EngineSpec",
     "KnobGateError",
     "NgramProposer",

@@ -9,21 +9,18 @@
 prompt lookup; `--scheduler-blocks N` gives the scheduler only N of the engine's blocks (preemption);
 `--knob NAME=VALUE` sets any SchedulerKnobs field. Exit status 0: every step agreed; 1: a divergence or a runner
 crash, printed with its step, request, field (or traceback) and a reproduction script; 2: a knob the runner
-cannot take (with the reason) or a runner not supported yet.
+cannot take (with the reason) or a runner this vLLM cannot build.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
-import importlib.util
 import sys
 from dataclasses import fields, replace
 from typing import Any
 
 from conformance.scheduler import SchedulerKnobs
-
-V2_ATTACH_MODULE = "conformance.vllm_attach.mrv2"  # model runner v2 attach (being built beside this package)
 
 
 def _knob(text: str) -> tuple[str, Any]:
@@ -57,15 +54,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repro-dir", default=None, help="where a failure's reproduction script goes")
     args = parser.parse_args(argv)
 
-    if args.runner == "v2" and importlib.util.find_spec(V2_ATTACH_MODULE) is None:
-        print("slotmap: not yet: --runner v2 needs model runner v2 attach (conformance/vllm_attach/mrv2.py), "
-              "which the shadow checker does not have yet; --runner v1 drives vLLM's GPUModelRunner",
-              file=sys.stderr)  # fmt: skip
-        return 2
+    from conformance.vllm_attach import UnsupportedVllmConfigError
     from conformance.vllm_drive import (
         DriveError,
         DrivePlan,
-        DriveUnsupportedError,
         EngineSpec,
         KnobGateError,
         build_llm,
@@ -89,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         report = drive(llm, plan, steps=args.steps, repro_dir=args.repro_dir, drop_gated=args.drop_gated)
-    except (KnobGateError, DriveUnsupportedError) as refused:
+    except (KnobGateError, UnsupportedVllmConfigError) as refused:  # a knob, or a setup attach refuses
         print(f"slotmap: {refused}", file=sys.stderr)
         return 2
     except DriveError as failure:

@@ -52,10 +52,6 @@ MAX_IDLE_STEPS = 200  # empty steps in a row before a round is declared stuck (a
 _drives = itertools.count()  # tags request ids: no id repeats in one process's runners
 
 
-class DriveUnsupportedError(RuntimeError):
-    """A runner the drive cannot attach to or feed yet (says what is missing)."""
-
-
 class DriveError(AssertionError):
     """The runner diverged from spec, or crashed, at a step (`kind`: mismatch, refusal, crash)."""
 
@@ -167,18 +163,12 @@ class _Session:
     """One drive's runner, shadow, record of the outputs sent, and failure handling."""
 
     def __init__(self, target: Any, repro_dir: str | Path | None) -> None:
-        from conformance.vllm_attach import UnsupportedVllmConfigError, attach, model_runner_of
+        from conformance.vllm_attach import attach, model_runner_of
 
         self.llm = None if _is_runner(target) else target
         self.runner = target if self.llm is None else model_runner_of(target)
         self.kind = runner_kind(self.runner)
-        try:
-            self.shadow = attach(target, keep_records=False)
-        except UnsupportedVllmConfigError as e:
-            if self.kind == "v2":
-                raise DriveUnsupportedError(f"not yet: driving model runner v2 needs model runner v2 attach "
-                                            f"(conformance.vllm_attach): {e}") from e  # fmt: skip
-            raise
+        self.shadow = attach(target, keep_records=False)
         self.engine = engine_spec_of(self.runner)
         if self.kind == "v2":
             quiet_speculator(self.runner)  # the drive is v2's speculator (mrv2_drafts.py)
