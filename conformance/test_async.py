@@ -8,6 +8,7 @@ and every snapshot with spec and with the scheduler's own (synchronous) account 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -19,6 +20,7 @@ from conformance.scenario import random_scenario
 from spec import (
     BlockIdError,
     CachedRequest,
+    InconsistentSchedulerOutputError,
     KVCacheGroup,
     NewRequest,
     SchedulerOutput,
@@ -164,6 +166,24 @@ def test_a_faulty_record_is_reported_by_the_apply_after_next(backend: BackendHan
         pool.apply(SchedulerOutput(cached_requests=(CachedRequest("a", 7),), num_scheduled_tokens={"a": 1}))
     assert pool.snapshot() == before
     assert before[0].token_ids == (*PROMPT, 42, -1, 3)
+
+
+@pytest.mark.parametrize(("accepted", "why"), [([7, 9, 11], "accepted [7, 9]"), ([9, 8, 11], "accepted [9, 8]")])
+def test_every_position_of_an_accepted_prefix_is_checked_late(
+    backend: BackendHandle, accepted: list[int], why: str
+) -> None:
+    # Drafts 7, 8: a record whose second or first kept token is not the draft at its position is a fault, reported
+    # by the apply after next. A check one position short (the last draft before the bonus token unchecked) passed
+    # [7, 9, 11] in both of fast's paths and the whole suite; the synchronous form of that bug was caught.
+    pool = _prefill(backend)
+    _drafting_step(backend, pool, accepted)
+    ahead = SchedulerOutput(cached_requests=(CachedRequest("a", 8),), num_scheduled_tokens={"a": 1})
+    pool.apply(ahead)  # scheduled counting all three tokens, before the fault could be known
+    pool.record_sampled(pool.prepare(ahead), _ids(backend, [3]))
+    before = pool.snapshot()
+    with pytest.raises(InconsistentSchedulerOutputError, match=re.escape(f"{why} but the drafts were [7, 8]")):
+        pool.apply(SchedulerOutput(cached_requests=(CachedRequest("a", 9),), num_scheduled_tokens={"a": 1}))
+    assert pool.snapshot() == before
 
 
 def test_async_scheduling_with_a_mamba_group_is_refused() -> None:

@@ -86,6 +86,22 @@ MUTANTS: tuple[Mutant, ...] = (
         (PIPELINE,),
     ),
     Mutant(
+        "async-record-checks-one-draft-short",
+        "record_sampled: every kept draft equals the draft at its position (async, host mode)",
+        "fast/async_steps.py",
+        "fault = fault or (j < count - 1 and tokens[b, j] != draft_ids[starts[i] + j])",
+        "fault = fault or (j < count - 2 and tokens[b, j] != draft_ids[starts[i] + j])",
+        (ASYNC,),
+    ),
+    Mutant(
+        "async-record-kernel-checks-one-draft-short",
+        "record_sampled: every kept draft equals the draft at its position (async, the Triton record kernel)",
+        "fast/kernels/record_ahead.py",
+        "not_a_draft = tl.reduce((kept & (cols < count - 1) & (t != draft))",
+        "not_a_draft = tl.reduce((kept & (cols < count - 2) & (t != draft))",
+        (ASYNC,),
+    ),
+    Mutant(
         "async-resume-past-unread-verdict",
         "8 UnknownTokenError: a resumption with its drafts' verdict unread runs over the tokens held before them",
         "spec/async_steps.py",
