@@ -49,7 +49,6 @@ import importlib
 import json
 import os
 import platform
-import random
 import re
 import subprocess
 import sys
@@ -57,14 +56,14 @@ import time
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from benchmarks.live_workloads import MODELS, LiveWorkload, five_workloads, prompts
+
 ROOT = Path(__file__).resolve().parent.parent
-MODELS = ROOT / "tests" / "live_vllm" / "models"
 WHAT = "MRv2's host-side work per step beside fast's apply + prepare, on the same live steps (a report)"
 REPLAYS = 5  # timed passes over the recorded steps, after one checked warm-up pass
 BOOKKEEPING = ("finish_requests", "free_states", "add_requests", "update_requests", "block_tables.apply_staged_writes")
@@ -83,39 +82,9 @@ def _live(name: str) -> Any:
     return importlib.import_module(f"tests.live_vllm.{name}")
 
 
-@dataclass(frozen=True)
-class Workload:
-    name: str
-    model: str
-    prompts: tuple[tuple[int, ...], ...]
-    max_tokens: int
-    engine: dict[str, Any]  # vLLM engine arguments beyond the common ones
-
-
-def _prompts(seed: int, n: int, lo: int, hi: int, prefix: tuple[int, ...] = (), repeat: bool = False) -> tuple:
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        length = rng.randint(lo, hi)
-        if repeat:  # short patterns repeated: the n-gram proposer finds drafts
-            pattern = [rng.randrange(3, 500) for _ in range(rng.randint(2, 6))]
-            body = (pattern * (length // len(pattern) + 1))[:length]
-        else:
-            body = [rng.randrange(3, 500) for _ in range(length)]
-        out.append(prefix + tuple(body))
-    return tuple(out)
-
-
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
-PREFIX = tuple(range(88, 88 + 96))  # three blocks of 32 every prompt of `prefix` starts with
-WORKLOADS = (  # test_vllm_prep's five, half the requests and tokens (MRv2's kernels are interpreted)
-    Workload("plain", "llama", _prompts(0, 24, 16, 200), 16, {}),
-    Workload("prefix", "llama", _prompts(1, 24, 16, 120, prefix=PREFIX), 16, {}),
-    Workload("preemption", "llama", _prompts(2, 24, 16, 200), 16, {"num_gpu_blocks_override": 24}),
-    Workload("hybrid", "gemma2", _prompts(3, 24, 16, 200), 16, {}),
-    Workload("drafts", "llama", _prompts(4, 24, 16, 120, repeat=True), 16, {"speculative_config": NGRAM}),
-)
-QUICK = Workload("quick", "llama", _prompts(5, 4, 16, 80), 4, {})  # the pytest smoke run (test_mrv2_prep.py)
+WORKLOADS = five_workloads(num_prompts=24, max_tokens=16, preemption_blocks=24)  # half test_vllm_prep's: MRv2's
+# kernels are interpreted here
+QUICK = LiveWorkload("quick", "llama", prompts(5, 4, 16, 80), 4, {})  # the pytest smoke run (test_mrv2_prep.py)
 
 
 class StubbedKernels:
@@ -142,7 +111,7 @@ class StubbedKernels:
 
 
 @contextmanager
-def live(w: Workload) -> Iterator[tuple[Any, Any, list[Any], dict[int, tuple[Any, int]]]]:
+def live(w: LiveWorkload) -> Iterator[tuple[Any, Any, list[Any], dict[int, tuple[Any, int]]]]:
     """Serve `w` once through MRv2 with the shadow checker; yields (runner, WorkerConfig, the recorded steps,
     step -> the (batch_desc, num_active_loras) execute_model handed prepare_inputs)."""
     import torch
@@ -310,7 +279,7 @@ def _same_batch(got: Any, want: Any) -> None:
             raise AssertionError(f"fast's slot_mappings[{g}] differs from spec's")
 
 
-def measure(w: Workload, replays: int, core: int) -> dict[str, Any]:
+def measure(w: LiveWorkload, replays: int, core: int) -> dict[str, Any]:
     """Serve `w`, then replay its steps: a checked warm-up pass, then `replays` timed ones, each step through
     MRv2 and then fast; medians over every timed step."""
     import torch

@@ -29,11 +29,8 @@ import copy
 import dataclasses
 import gc
 import os
-import random
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -50,6 +47,7 @@ import torch
 
 import fast
 import spec
+from benchmarks.live_workloads import MODELS, LiveWorkload, five_workloads
 from conformance.shadow import ShadowChecker
 from conformance.shadow_inputs import engine_rows
 from conformance.vllm_attach import StepRecord, attach, worker_config_from_vllm
@@ -57,45 +55,8 @@ from conformance.vllm_attach.compat import let_vllm_scan_modules_beside_numba
 from spec.interop.vllm import from_vllm
 from spec.types import CachedRequestColumns, SchedulerOutput
 
-MODELS = Path(__file__).resolve().parent.parent / "tests" / "live_vllm" / "models"
 REPLAYS = 3  # timed passes over the recorded steps (rounds = steps * REPLAYS), after one checked warm-up pass
-
-
-@dataclass(frozen=True)
-class LiveWorkload:
-    name: str
-    model: str
-    prompts: tuple[tuple[int, ...], ...]
-    max_tokens: int
-    engine: dict[str, Any]  # vLLM engine arguments beyond the common ones
-
-
-def _prompts(seed: int, n: int, lo: int, hi: int, prefix: tuple[int, ...] = (), repeat: bool = False) -> tuple:
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        length = rng.randint(lo, hi)
-        if repeat:  # short patterns repeated: the n-gram proposer finds drafts
-            pattern = [rng.randrange(3, 500) for _ in range(rng.randint(2, 6))]
-            body = (pattern * (length // len(pattern) + 1))[:length]
-        else:
-            body = [rng.randrange(3, 500) for _ in range(length)]
-        out.append(prefix + tuple(body))
-    return tuple(out)
-
-
-PREFIX = tuple(range(88, 88 + 96))  # three blocks of 32 every prompt of `prefix` starts with
-WORKLOADS = (
-    LiveWorkload("plain", "llama", _prompts(0, 48, 16, 200), 32, {}),
-    LiveWorkload("prefix", "llama", _prompts(1, 48, 16, 120, prefix=PREFIX), 32, {}),
-    LiveWorkload("preemption", "llama", _prompts(2, 48, 16, 200), 32, {"num_gpu_blocks_override": 48}),
-    LiveWorkload("hybrid", "gemma2", _prompts(3, 48, 16, 200), 32, {}),
-    LiveWorkload(
-        "drafts", "llama", _prompts(4, 48, 16, 120, repeat=True), 32,
-        {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3,
-                                "prompt_lookup_max": 3, "prompt_lookup_min": 1}},
-    ),
-)  # fmt: skip
+WORKLOADS = five_workloads(num_prompts=48, max_tokens=32, preemption_blocks=48)
 
 
 @contextmanager
