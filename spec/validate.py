@@ -195,12 +195,15 @@ def plan_step(state: PoolState, sched: SchedulerOutput) -> StepPlan:
     if config.async_scheduling:
         check_no_drafts_after_unverified(state, sched)
         check_resumed_within_known(state, sched)
-    for check in (_check_block_ids, _check_table_sizes, _check_blocks_present, _check_null_reads):
+    for s in scheduled:
+        for g in range(num_groups):
+            _check_block_ids(state, s, g)
+    if config.one_block_pool and num_groups > 1:  # check 9 across groups, once every table passed it alone
+        _check_one_pool(state, scheduled)
+    for check in (_check_table_sizes, _check_blocks_present, _check_null_reads):
         for s in scheduled:
             for g in range(num_groups):
                 check(state, s, g)
-        if check is _check_block_ids and config.one_block_pool and num_groups > 1:
-            _check_one_pool(state, scheduled)
     _check_unique_slots(state, scheduled)
 
     plan = _plan(state, sched, freed_rows, new_rows, prompts, drafts_of, scheduled)
