@@ -1,60 +1,59 @@
-"""A scheduled request as it will stand after the step: the one model of it the fault generators share.
+"""A scheduled request as it will stand after the step, as the fault generators see it.
 
 conformance.mutations, mutations_drafts and mutations_mamba each break an output at one rule's boundary; to
-find a boundary they need what spec/validate.py's `_Scheduled` holds for each scheduled request (its progress,
-its known tokens, its tables once the step's blocks are added, its drafts), rebuilt here from the output and the
-pool's snapshot, the only view of the pool a generator gets.
+find a boundary they need what spec/validate.py's checks read of each scheduled request: spec's own
+`spec.request.ScheduledRequest` (its progress, its known tokens, its tables once the step's blocks are
+added, its drafts), built here from the output and the pool's snapshot, the only view of the pool a
+generator gets, with what a generator needs besides: the draft ids and two facts of async scheduling.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from spec.mamba import write_column
-from spec.types import KVCacheGroup, PoolSnapshot, SchedulerOutput, WorkerConfig
+from spec.request import ScheduledRequest
+from spec.types import PoolSnapshot, SchedulerOutput, WorkerConfig
 
 
-@dataclass
-class ScheduledRequest:
-    req_id: str
-    num_computed: int
-    num_scheduled: int
-    known: int  # tokens known when the step runs, counted as validation counts them
-    drafts: tuple[int, ...]  # the step's last len(drafts) tokens
-    tables: list[list[int]]  # per group: the whole table after the step
-    is_new: bool
-    resumed: bool
-    may_draft: bool  # drafts added to it meet no other rule first
+@dataclass(kw_only=True)
+class GeneratorRequest(ScheduledRequest):
+    drafts: tuple[int, ...] = ()  # the step's last len(drafts) tokens (num_drafts of them)
+    may_draft: bool = True  # drafts added to it meet no other rule first
     counted_ahead: bool = False  # async: its step counts drafts the previous step rejected (so they were unverified)
 
-    @property
-    def end(self) -> int:
-        return self.num_computed + self.num_scheduled
+    def table(self, g: int) -> list[int]:
+        """Group g's table after the step, as the list of ints a generator edits and gives back."""
+        return [int(b) for b in self.tables[g]]
 
-    @property
-    def last(self) -> int:
-        return self.end - 1  # last position written
-
-    @property
-    def reaches_end(self) -> bool:
-        return self.end == self.known + len(self.drafts)
-
-    def live_from(self, group: KVCacheGroup) -> int:
-        """The first table entry the step reads: entries before it a window released (they may repeat ids)."""
-        return group.first_live_entry(self.num_computed)
+    def table_lists(self) -> list[list[int]]:
+        return [self.table(g) for g in range(len(self.tables))]
 
     def write(self, block_size: int) -> int:
         """The mamba state entry the step writes (spec/mamba.py)."""
         return write_column(self.num_computed, self.num_scheduled, block_size)
 
 
-def scheduled_requests(out: SchedulerOutput, config: WorkerConfig, snapshot: PoolSnapshot) -> list[ScheduledRequest]:
+def _request(
+    req_id: str, num_computed: int, num_scheduled: int, known: int, drafts: tuple[int, ...], tables: list[list[int]],
+    is_new: bool, resumed: bool, may_draft: bool, counted_ahead: bool = False,
+) -> GeneratorRequest:  # fmt: skip
+    arrays = [np.array(t, np.int64) for t in tables]
+    return GeneratorRequest(req_id, known, num_computed, num_scheduled, len(drafts), arrays, is_new, resumed,
+                            drafts=drafts, may_draft=may_draft, counted_ahead=counted_ahead)  # fmt: skip
+
+
+def scheduled_requests(
+    out: SchedulerOutput, config: WorkerConfig, snapshot: PoolSnapshot
+) -> list[GeneratorRequest]:
     """Every scheduled request of `out`: the new ones in order, then the cached ones."""
     rows = {row.req_id: row for row in snapshot}
     groups = range(len(config.kv_groups))
     drafts = out.scheduled_spec_decode_tokens
     reqs = [
-        ScheduledRequest(r.req_id, r.num_computed_tokens, out.num_scheduled_tokens[r.req_id], len(r.prompt_token_ids),
+        _request(r.req_id, r.num_computed_tokens, out.num_scheduled_tokens[r.req_id], len(r.prompt_token_ids),
                          tuple(drafts.get(r.req_id, ())), [list(t) for t in r.block_ids], True, False, True)
         for r in out.new_requests
     ]  # fmt: skip
@@ -67,7 +66,7 @@ def scheduled_requests(out: SchedulerOutput, config: WorkerConfig, snapshot: Poo
         known = max(len(rows[c.req_id].token_ids), c.num_computed_tokens + 1)
         may_draft = not config.async_scheduling or c.req_id in drafts
         reqs.append(
-            ScheduledRequest(c.req_id, c.num_computed_tokens, out.num_scheduled_tokens[c.req_id], known,
+            _request(c.req_id, c.num_computed_tokens, out.num_scheduled_tokens[c.req_id], known,
                              tuple(drafts.get(c.req_id, ())), [kept[g] + list(added[g]) for g in groups], False,
                              c.resumed, may_draft, known > len(rows[c.req_id].token_ids))
         )  # fmt: skip

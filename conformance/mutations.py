@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from conformance.after_step import ScheduledRequest, scheduled_requests
+from conformance.after_step import GeneratorRequest, scheduled_requests
 from conformance.malformed import CHECK_ONE, edit
 from conformance.malformed_mrope import MROPE_MALFORMATIONS
 from conformance.mutations_drafts import draft_fault_or
@@ -81,7 +81,7 @@ class _Ctx:
             i += 1
         return f"{prefix}-{i}"
 
-    def pick(self, reqs: list[ScheduledRequest]) -> ScheduledRequest | None:
+    def pick(self, reqs: list[GeneratorRequest]) -> GeneratorRequest | None:
         return self.rng.choice(reqs) if reqs else None
 
     def unused_blocks(self, g: int, count: int, avoid: set[int]) -> list[int] | None:
@@ -91,7 +91,7 @@ class _Ctx:
         them before the check a breaker aims at)."""
         num_blocks = self.config.kv_groups[g].num_blocks
         if self.config.one_block_pool:
-            avoid = avoid | {b for r in self.reqs for h, t in enumerate(r.tables) if h != g for b in t}
+            avoid = avoid | {b for r in self.reqs for h, t in enumerate(r.table_lists()) if h != g for b in t}
         if num_blocks - 1 - len(avoid - {NULL_BLOCK_ID}) < count:
             return None
         chosen: list[int] = []
@@ -106,8 +106,8 @@ class _Ctx:
         """Blocks of group g that some scheduled token of `out` writes."""
         bs = self.config.kv_groups[g].block_size
         if g == cross_group(self.config):  # the encoder's blocks: every one a scheduled request holds
-            return {b for r in self.reqs for b in r.tables[g]}
-        return {r.tables[g][p // bs] for r in self.reqs for p in range(r.num_computed, r.last + 1)}
+            return {b for r in self.reqs for b in r.table(g)}
+        return {int(b) for r in self.reqs for b in r.tables[g][r.num_computed // bs : r.last // bs + 1]}
 
 
 def _with_tables(out: SchedulerOutput, req_id: str, tables: Tables) -> SchedulerOutput:
@@ -274,10 +274,10 @@ def _model_length(ctx: _Ctx) -> SchedulerOutput | None:
 
 
 def _unknown_token(ctx: _Ctx) -> SchedulerOutput | None:
-    r = ctx.pick([r for r in ctx.reqs if r.known < ctx.config.max_model_len])
+    r = ctx.pick([r for r in ctx.reqs if r.known_tokens < ctx.config.max_model_len])
     if r is None:
         return None
-    return _with_computed(ctx.out, r.req_id, r.known - r.num_scheduled + 1)  # reads position `known`
+    return _with_computed(ctx.out, r.req_id, r.known_tokens - r.num_scheduled + 1)  # reads position `known`
 
 
 def _block_id(ctx: _Ctx) -> SchedulerOutput | None:
@@ -285,7 +285,7 @@ def _block_id(ctx: _Ctx) -> SchedulerOutput | None:
     if r is None:
         return None
     g = ctx.rng.randrange(ctx.num_groups)
-    group, table = ctx.config.kv_groups[g], list(r.tables[g])
+    group, table = ctx.config.kv_groups[g], list(r.table(g))
     first = min(r.live_from(group), len(table))
     real = [b for b in table[first:] if b != NULL_BLOCK_ID]  # a repeat must be among the live entries
     if ctx.rng.random() < 0.3:
@@ -302,7 +302,7 @@ def _block_id(ctx: _Ctx) -> SchedulerOutput | None:
     if group.sliding_window is None and group.kind != "mamba":  # a mamba table may hold nulls (spec/mamba.py)
         options.append(NULL_BLOCK_ID)  # the null block where no window allows it
     table.insert(ctx.rng.randint(first, len(table)), ctx.rng.choice(options))
-    return _with_tables(ctx.out, r.req_id, [table if i == g else t for i, t in enumerate(r.tables)])
+    return _with_tables(ctx.out, r.req_id, [table if i == g else t for i, t in enumerate(r.table_lists())])
 
 
 def _held_in_another_group(ctx: _Ctx) -> SchedulerOutput | None:
@@ -312,7 +312,7 @@ def _held_in_another_group(ctx: _Ctx) -> SchedulerOutput | None:
         (h, b)
         for r in ctx.reqs
         for h in range(ctx.num_groups)
-        for b in r.tables[h][r.live_from(groups[h]) :]
+        for b in r.table(h)[r.live_from(groups[h]) :]
         if b != NULL_BLOCK_ID
     ]
     r = ctx.pick(ctx.table_reqs)
@@ -320,18 +320,18 @@ def _held_in_another_group(ctx: _Ctx) -> SchedulerOutput | None:
         return None
     h, block = ctx.rng.choice(held)
     g = ctx.rng.choice([x for x in range(ctx.num_groups) if x != h])
-    table = list(r.tables[g])
+    table = list(r.table(g))
     table.insert(ctx.rng.randint(min(r.live_from(groups[g]), len(table)), len(table)), block)
-    return _with_tables(ctx.out, r.req_id, [table if i == g else t for i, t in enumerate(r.tables)])
+    return _with_tables(ctx.out, r.req_id, [table if i == g else t for i, t in enumerate(r.table_lists())])
 
 
 def _malformed_block_id(ctx: _Ctx) -> SchedulerOutput | None:
     """One entry of a table as a float (whole or not), or a table that is not a list of integers."""
-    holding = [(r, g) for r in ctx.table_reqs for g in range(ctx.num_groups) if r.tables[g]]
+    holding = [(r, g) for r in ctx.table_reqs for g in range(ctx.num_groups) if r.table(g)]
     if not holding:
         return None
     r, g = ctx.rng.choice(holding)
-    table: list[Any] = list(r.tables[g])
+    table: list[Any] = list(r.table(g))
     i = ctx.rng.randrange(len(table))
     disguise = ctx.rng.choice(
         (
@@ -343,7 +343,7 @@ def _malformed_block_id(ctx: _Ctx) -> SchedulerOutput | None:
             lambda: {b: None for b in table},
         )
     )()
-    tables = tuple(disguise if h == g else tuple(t) for h, t in enumerate(r.tables))
+    tables = tuple(disguise if h == g else tuple(t) for h, t in enumerate(r.table_lists()))
     news = tuple(edit(x, block_ids=tables) if x.req_id == r.req_id else x for x in ctx.out.new_requests)
     cached = tuple(
         edit(x, new_block_ids=tables, resumed=True) if x.req_id == r.req_id else x for x in ctx.out.cached_requests
@@ -376,7 +376,7 @@ def _table_overflow(ctx: _Ctx) -> SchedulerOutput | None:
     if r is None:
         return None
     for g in ctx.rng.sample(range(ctx.num_groups), ctx.num_groups):
-        table, group = r.tables[g], ctx.config.kv_groups[g]
+        table, group = r.table(g), ctx.config.kv_groups[g]
         missing = ctx.config.max_blocks_per_req(g) + 1 - len(table)
         if group.sliding_window is not None and ctx.rng.random() < 0.5:
             extra = [NULL_BLOCK_ID] * missing  # nulls may repeat in a window group
@@ -385,7 +385,7 @@ def _table_overflow(ctx: _Ctx) -> SchedulerOutput | None:
             if found is None:
                 continue
             extra = found
-        return _with_tables(ctx.out, r.req_id, [t + extra if i == g else t for i, t in enumerate(r.tables)])
+        return _with_tables(ctx.out, r.req_id, [t + extra if i == g else t for i, t in enumerate(r.table_lists())])
     return None
 
 
@@ -398,7 +398,7 @@ def _missing_block(ctx: _Ctx) -> SchedulerOutput | None:
         return None
     g = ctx.rng.choice([g for g in range(ctx.num_groups) if g != cross])
     keep = r.last // ctx.config.kv_groups[g].block_size  # the last written position's block goes
-    return _with_tables(ctx.out, r.req_id, [t[:keep] if i == g else t for i, t in enumerate(r.tables)])
+    return _with_tables(ctx.out, r.req_id, [t[:keep] if i == g else t for i, t in enumerate(r.table_lists())])
 
 
 def _null_block(ctx: _Ctx) -> SchedulerOutput | None:
@@ -409,9 +409,9 @@ def _null_block(ctx: _Ctx) -> SchedulerOutput | None:
     g = ctx.rng.choice(windows)
     bs = ctx.config.kv_groups[g].block_size
     position = ctx.rng.randint(r.num_computed, r.last)  # a written position: always read or written
-    table = list(r.tables[g])
+    table = list(r.table(g))
     table[position // bs] = NULL_BLOCK_ID
-    return _with_tables(ctx.out, r.req_id, [table if i == g else t for i, t in enumerate(r.tables)])
+    return _with_tables(ctx.out, r.req_id, [table if i == g else t for i, t in enumerate(r.table_lists())])
 
 
 def _duplicate_slot(ctx: _Ctx) -> SchedulerOutput | None:
@@ -423,7 +423,7 @@ def _duplicate_slot(ctx: _Ctx) -> SchedulerOutput | None:
     writers = ctx.rng.sample(ctx.reqs, len(ctx.reqs))
     for a in writers:
         pos_a = ctx.rng.randint(a.num_computed, a.last)
-        block_a, offset = a.tables[g][pos_a // bs], pos_a % bs
+        block_a, offset = a.table(g)[pos_a // bs], pos_a % bs
         for b in writers:
             if b is a or b not in ctx.table_reqs or not resumable(ctx.config, b.num_computed, b.is_new):
                 continue
@@ -431,17 +431,17 @@ def _duplicate_slot(ctx: _Ctx) -> SchedulerOutput | None:
             if not positions:
                 continue
             index = ctx.rng.choice(positions) // bs
-            if block_a in b.tables[g]:
+            if block_a in b.table(g):
                 continue  # would repeat a block in b's table (BlockIdError)
-            table = list(b.tables[g])
+            table = list(b.table(g))
             table[index] = block_a
-            return _with_tables(ctx.out, b.req_id, [table if i == g else t for i, t in enumerate(b.tables)])
+            return _with_tables(ctx.out, b.req_id, [table if i == g else t for i, t in enumerate(b.table_lists())])
     # no second writer fits: a new request writes offsets 0..offset of that block
     if not ctx.reqs or ctx.free_rows_after() < 1:
         return None
     a = ctx.rng.choice(ctx.reqs)
     pos_a = ctx.rng.randint(a.num_computed, a.last)
-    block_a, offset = a.tables[g][pos_a // bs], pos_a % bs
+    block_a, offset = a.table(g)[pos_a // bs], pos_a % bs
     if ctx.out.total_num_scheduled_tokens + offset + 1 > ctx.config.max_num_batched_tokens:
         return None
     tables: list[tuple[int, ...]] = []
@@ -496,14 +496,14 @@ def _repeated_block_in_table(ctx: _Ctx) -> SchedulerOutput | None:
         (r, g)
         for r in ctx.table_reqs
         for g in range(ctx.num_groups)
-        if any(b != NULL_BLOCK_ID for b in r.tables[g][r.live_from(groups[g]) :])
+        if any(b != NULL_BLOCK_ID for b in r.table(g)[r.live_from(groups[g]) :])
     ]
     if not holding:
         return None
     r, g = ctx.rng.choice(holding)
-    table, first = list(r.tables[g]), r.live_from(groups[g])  # the repeat goes among the live entries
+    table, first = list(r.table(g)), r.live_from(groups[g])  # the repeat goes among the live entries
     table.insert(ctx.rng.randint(first, len(table)), ctx.rng.choice([b for b in table[first:] if b != NULL_BLOCK_ID]))
-    return _with_tables(ctx.out, r.req_id, [table if i == g else t for i, t in enumerate(r.tables)])
+    return _with_tables(ctx.out, r.req_id, [table if i == g else t for i, t in enumerate(r.table_lists())])
 
 
 # every type- and container-level fault, and every way to list an id twice, with the class it provokes

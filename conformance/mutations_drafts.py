@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from conformance.after_step import ScheduledRequest, scheduled_requests
+from conformance.after_step import GeneratorRequest, scheduled_requests
 from conformance.malformed import edit
 from spec.errors import (
     InconsistentSchedulerOutputError,
@@ -42,7 +42,7 @@ class _Ctx:
         self.reqs = scheduled_requests(out, config, snapshot)
         self.spare_budget = config.max_num_batched_tokens - out.total_num_scheduled_tokens
 
-    def pick(self, condition: Callable[[ScheduledRequest], bool]) -> ScheduledRequest | None:
+    def pick(self, condition: Callable[[GeneratorRequest], bool]) -> GeneratorRequest | None:
         fitting = [r for r in self.reqs if condition(r)]
         return self.rng.choice(fitting) if fitting else None
 
@@ -99,7 +99,7 @@ def _model_length(ctx: _Ctx) -> SchedulerOutput | None:
     r = ctx.pick(lambda r: r.reaches_end and r.may_draft and limit + 1 - r.end <= ctx.spare_budget)
     if r is None:
         return None
-    k = limit + 1 - r.known  # the last draft at position max_model_len
+    k = limit + 1 - r.known_tokens  # the last draft at position max_model_len
     return _with_drafts(ctx.out, r.req_id, tuple(ctx.token() for _ in range(k)), r.num_scheduled + limit + 1 - r.end)
 
 
@@ -111,7 +111,7 @@ def _unknown_token(ctx: _Ctx) -> SchedulerOutput | None:
         options.append(lambda: _with_drafts(out, drafting.req_id, drafting.drafts[:-1]))
         if drafting.end < limit and ctx.spare_budget > 0:  # one token past the drafts
             options.append(lambda: _with_drafts(out, drafting.req_id, drafting.drafts, drafting.num_scheduled + 1))
-    short = ctx.pick(lambda r: not r.drafts and r.may_draft and r.num_scheduled > 1 and r.end <= r.known)
+    short = ctx.pick(lambda r: not r.drafts and r.may_draft and r.num_scheduled > 1 and r.end <= r.known_tokens)
     if short is not None:  # drafts on a chunk that ends before them: mid-prefill, or ending at the last known token
         k = ctx.rng.randint(1, short.num_scheduled - 1)
         options.append(lambda: _with_drafts(out, short.req_id, tuple(ctx.token() for _ in range(k))))
@@ -129,7 +129,7 @@ def _missing_block(ctx: _Ctx) -> SchedulerOutput | None:
     for r in ctx.rng.sample(ctx.reqs, len(ctx.reqs)):
         if not r.reaches_end or not r.may_draft:
             continue
-        groups = zip(r.tables, ctx.config.kv_groups, strict=True)  # the decoder's: drafts write no cross block
+        groups = zip(r.table_lists(), ctx.config.kv_groups, strict=True)  # the decoder's: drafts write no cross block
         covered = min(len(t) * g.block_size for t, g in groups if g.kind != "cross_attention")
         extra = covered + 1 - r.end  # the last draft at the first position without a block
         if 0 < extra <= ctx.spare_budget and covered + 1 <= limit:

@@ -20,7 +20,7 @@ import random
 from collections.abc import Callable
 from dataclasses import replace
 
-from conformance.after_step import ScheduledRequest, scheduled_requests
+from conformance.after_step import GeneratorRequest, scheduled_requests
 from spec.errors import BlockTableOverflowError, DuplicateSlotError, MissingBlockError, NullBlockError, ScheduleError
 from spec.mamba import MAMBA
 from spec.types import NULL_BLOCK_ID, PoolSnapshot, SchedulerOutput, WorkerConfig
@@ -47,13 +47,13 @@ class _Ctx:
         self.mamba = mamba_groups(config)
         self.spare_budget = config.max_num_batched_tokens - out.total_num_scheduled_tokens
 
-    def editable(self) -> list[ScheduledRequest]:
+    def editable(self) -> list[GeneratorRequest]:
         return [r for r in self.reqs if resumable(self.config, r.num_computed, r.is_new or r.resumed)]
 
 
-def _with_table(ctx: _Ctx, r: ScheduledRequest, g: int, table: list[int]) -> SchedulerOutput:
+def _with_table(ctx: _Ctx, r: GeneratorRequest, g: int, table: list[int]) -> SchedulerOutput:
     """`r`'s tables with group g's replaced: block_ids of a new request, a resumed table for a cached one."""
-    blocks = tuple(tuple(table) if h == g else tuple(t) for h, t in enumerate(r.tables))
+    blocks = tuple(tuple(table) if h == g else tuple(t) for h, t in enumerate(r.table_lists()))
     out = ctx.out
     news = tuple(replace(x, block_ids=blocks) if x.req_id == r.req_id else x for x in out.new_requests)
     cached = tuple(
@@ -66,7 +66,7 @@ def _too_many_drafts(ctx: _Ctx) -> SchedulerOutput | None:
     limit = ctx.config.max_model_len
     for r in ctx.rng.sample(ctx.reqs, len(ctx.reqs)):
         end = r.num_computed + r.num_scheduled
-        if not r.drafts or end != r.known + len(r.drafts):
+        if not r.drafts or end != r.known_tokens + len(r.drafts):
             continue
         extra = 1 + max(ctx.config.kv_groups[g].num_speculative_blocks for g in ctx.mamba) - len(r.drafts)
         if extra > ctx.spare_budget or end + extra > limit:
@@ -104,7 +104,7 @@ def _speculative_block_missing(ctx: _Ctx) -> SchedulerOutput | None:
         return None
     r, g = ctx.rng.choice(options)
     keep = r.write(ctx.config.kv_groups[g].block_size) + len(r.drafts)
-    return _with_table(ctx, r, g, r.tables[g][:keep])
+    return _with_table(ctx, r, g, r.table(g)[:keep])
 
 
 def _null_state(ctx: _Ctx) -> SchedulerOutput | None:
@@ -121,7 +121,7 @@ def _null_state(ctx: _Ctx) -> SchedulerOutput | None:
     if not options:
         return None
     r, g, entry = ctx.rng.choice(options)
-    table = list(r.tables[g])
+    table = list(r.table(g))
     table[entry] = NULL_BLOCK_ID
     return _with_table(ctx, r, g, table)
 
@@ -131,10 +131,10 @@ def _shared_state(ctx: _Ctx) -> SchedulerOutput | None:
     for g in ctx.rng.sample(ctx.mamba, len(ctx.mamba)):
         bs = ctx.config.kv_groups[g].block_size
         for a in ctx.rng.sample(ctx.reqs, len(ctx.reqs)):
-            block = a.tables[g][a.write(bs) + ctx.rng.randint(0, len(a.drafts))]
+            block = a.table(g)[a.write(bs) + ctx.rng.randint(0, len(a.drafts))]
             for b in ctx.editable():
-                if b is not a and block not in b.tables[g]:
-                    table = list(b.tables[g])
+                if b is not a and block not in b.table(g):
+                    table = list(b.table(g))
                     table[b.write(bs) + ctx.rng.randint(0, len(b.drafts))] = block
                     return _with_table(ctx, b, g, table)
     return None

@@ -8,32 +8,45 @@ the same gathers run as torch ops on the tables the device state shares with the
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import torch
 
+from fast.feature import FastFeature, Placement
 from fast.kernels.mamba import mamba_state_indices_triton
-from fast.runtime import upload
+from fast.runtime import interpret, upload
 from fast.state import DeviceState
-from spec.mamba import MAMBA, NO_STATE, batch_steps, keeps_speculative_states
-from spec.state import StepPlan
-from spec.types import INDEX_DTYPE, PAD_SLOT_ID, BatchInputs
+from spec.feature import in_batch_order
+from spec.mamba import MAMBA, NO_STATE, Mamba, MambaSteps, StateIndices, batch_steps, keeps_speculative_states
+from spec.state import PoolState, StepPlan
+from spec.types import INDEX_DTYPE, PAD_SLOT_ID, BatchInputs, WorkerConfig
 
 
-def with_state_indices(
+class FastMamba(FastFeature, Mamba):
+    """spec's mamba feature (its rules and per-row record on the host), the batch's state indices on the device."""
+
+    def __init__(self, config: WorkerConfig, placement: Placement) -> None:
+        self.placement = placement
+        Mamba.__init__(self, config)
+
+    def prepare(self, state: PoolState, plan: StepPlan, batch: BatchInputs, order: np.ndarray | None) -> StateIndices:
+        drafts = np.zeros(plan.rows.size, np.int64) if plan.num_drafts is None else plan.num_drafts
+        with interpret(self.placement.interpret):
+            steps = plan.features[self.name]
+            dev, host_mode = self.placement.dev, self.placement.host_mode
+            return state_indices(batch, dev, steps, order, in_batch_order(drafts, order), host_mode)
+
+
+def state_indices(
     batch: BatchInputs,
     dev: DeviceState,
-    plan: StepPlan,
+    plan_steps: MambaSteps,  # StepPlan.features["mamba"], scheduler order
     order: np.ndarray | None,  # [num_reqs] batch_idx -> scheduler index; None: the same order
     num_drafts: np.ndarray,  # [num_reqs] int batch order
     host_mode: bool,
-) -> BatchInputs:
-    """The batch with its mamba fields, and PAD_SLOT_ID in the mamba groups' slot mappings."""
-    if plan.mamba is None:
-        return batch
+) -> StateIndices:
+    """The mamba record of the batch; PAD_SLOT_ID in the mamba groups' slot mappings."""
     config = dev.config
-    steps = batch_steps(plan.mamba, order)
+    steps = batch_steps(plan_steps, order)
     num_reqs = batch.num_reqs
     packed = np.concatenate([steps.bases, steps.num_accepted, num_drafts.astype(np.int64)]).astype(np.int64)
     reads = upload(packed, dev.device).view(3, num_reqs)  # base | num_accepted | num_drafts, one copy
@@ -55,8 +68,7 @@ def with_state_indices(
         written.append(w)
         prevs.append(p)
     small = upload(np.concatenate([steps.is_prefilling, steps.num_accepted]).astype(INDEX_DTYPE), dev.device)
-    return dataclasses.replace(
-        batch,
+    return StateIndices(
         mamba_state_indices=tuple(written),
         mamba_prev_state_indices=tuple(prevs),
         is_prefilling=small[:num_reqs].to(torch.bool),

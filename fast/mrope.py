@@ -14,12 +14,28 @@ import numpy as np
 import torch
 from numba import njit
 
+from fast.feature import FastFeature, Placement
 from fast.kernels.mrope import mrope_positions_triton
-from fast.runtime import upload
-from spec.mrope import NUM_MROPE_ROWS, MRopeWrites
+from fast.runtime import interpret, upload
+from spec.mrope import NUM_MROPE_ROWS, MRope, MRopeInputs, MRopeWrites
+from spec.state import PoolState, StepPlan
 from spec.types import BatchInputs, WorkerConfig
 
 _MIN_CAPACITY = 256
+
+
+class FastMRope(FastFeature, MRope):
+    """spec's M-RoPE feature with the tables kept where prepare reads them (DeviceMRope)."""
+
+    def __init__(self, config: WorkerConfig, placement: Placement) -> None:
+        self.placement = placement
+        self.tables = DeviceMRope(config, placement.device, placement.host_mode)
+        MRope.__init__(self, config, rows=self.tables)
+
+    def prepare(self, state: PoolState, plan: StepPlan, batch: BatchInputs, order: np.ndarray | None) -> MRopeInputs:
+        rows = plan.rows if order is None else plan.rows[order]  # [num_reqs] batch_idx -> req_state_idx, host copy
+        with interpret(self.placement.interpret):
+            return MRopeInputs(self.tables.positions(batch, rows))
 
 
 class DeviceMRope:

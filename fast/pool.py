@@ -30,18 +30,18 @@ from __future__ import annotations
 
 import dataclasses
 from operator import itemgetter
+from typing import TypeVar
 
 import numpy as np
 import torch
 
 from fast.async_steps import AheadState
 from fast.batch import batch_order
-from fast.cross_attention import with_cross_inputs
 from fast.drafts import batch_drafts, draft_columns, draft_positions, sampler_tensors
+from fast.feature import Placement
 from fast.host_prepare import HostBatch
 from fast.kernel_prepare import prepare_on_device
-from fast.mamba import with_state_indices
-from fast.mrope import DeviceMRope
+from fast.model_kinds import fast_features_for
 from fast.released import ReleasedTails
 from fast.runtime import interpret, interpret_enabled, upload, use_triton
 from fast.sampled import record_accepted, record_one_per_row
@@ -49,13 +49,15 @@ from fast.state import DeviceState, HostMirror, write_prompts
 from fast.validate import MAX_OWNER_MAP, plan_bulk_step
 from fast.writes import apply_writes, step_writes
 from spec.async_steps import pending_tokens
-from spec.cross_attention import cross_group
 from spec.drafts import accepted_rows, draft_logits
 from spec.errors import InconsistentSchedulerOutputError, UnknownRequestError
+from spec.feature import Feature, find
 from spec.pool import check_last_applied, padded_tokens
 from spec.state import PoolState, StepPlan
 from spec.types import BatchInputs, PoolSnapshot, RowSnapshot, SchedulerOutput, WorkerConfig
 from spec.validate import plan_step
+
+F = TypeVar("F", bound=Feature)
 
 
 class RequestStatePool:
@@ -69,14 +71,14 @@ class RequestStatePool:
         self.host_mode = not triton  # CPU tensors sharing the host mirror's memory, compiled loops for prepare
         self.state: PoolState = HostMirror(config)  # validation and batch order read only this
         self.dev = DeviceState(config, self.device, mirror=self.state if self.host_mode else None)
+        # the model kind's features (fast/feature.py): none for a plain decoder
+        self.features = fast_features_for(config, Placement(self.dev, self.host_mode, self._interpret))
         self.released = ReleasedTails(config)  # the validator's per-row cache of released entries
         # [num_blocks] int8 scratch of the one-block-pool check (fast/validate.py), zero between steps; a pool past
         # MAX_OWNER_MAP ids sorts instead (a map is 1 byte an id, most of it never touched)
         pooled = config.one_block_pool and len(config.kv_groups) > 1
         num_ids = config.kv_groups[0].num_blocks
         self._block_owner = np.zeros(num_ids, np.int8) if pooled and num_ids <= MAX_OWNER_MAP else None
-        self.mrope = DeviceMRope(config, self.device, self.host_mode) if config.uses_mrope else None
-        self._cross_group = cross_group(config)  # the encoder-decoder's cross group, or None
         self._host_batch = HostBatch()  # host mode: the buffers and tensors batches are handed out in
         self._applied: SchedulerOutput | None = None
         self._plan: StepPlan | None = None  # the applied output as validated: all prepare reads of it
@@ -96,7 +98,7 @@ class RequestStatePool:
         bulk = self.ahead is None or not (sched.scheduled_spec_decode_tokens or self.state.num_unverified_drafts.any())
         plan = plan_bulk_step(self.state, sched, self.released.tails, self._block_owner) if bulk else None
         if plan is None:
-            plan = plan_step(self.state, sched)  # raises spec's error, or accepts what the bulk path left to it
+            plan = plan_step(self.state, sched, self.features)  # spec's error, or accepts what the bulk path left
         self._commit(plan)
         self._applied_steps += 1
         self._applied, self._plan, self._prepared = sched, plan, None
@@ -110,9 +112,9 @@ class RequestStatePool:
         dev.reserve_tokens(longest)
         writes = None if self.host_mode else step_writes(state, plan)  # needs the mirror as it was
         state.commit(plan)
+        for feature in self.features:  # their per-row state (spec's records; fast's M-RoPE tables on the device)
+            feature.commit(state, plan)
         self.released.refresh(state, plan)
-        if self.mrope is not None:
-            self.mrope.commit(plan.freed_rows, plan.mrope)
         if writes is not None:  # prompts and drafts ride in the same launch
             with interpret(self._interpret):
                 apply_writes(dev, writes)
@@ -144,20 +146,14 @@ class RequestStatePool:
         else:
             with interpret(self._interpret):
                 batch = prepare_on_device(self.dev, req_ids, index_mapping, num_scheduled, cu_num_tokens, padded)
-        if self.mrope is not None:  # from the batch's positions (fast/mrope.py)
-            with interpret(self._interpret):
-                batch = dataclasses.replace(batch, mrope_positions=self.mrope.positions(batch, index_mapping))
         drafts = None
         if plan.num_drafts is not None:  # input ids are right already (apply stored the drafts): add the indices
             drafts = batch_drafts(plan.num_drafts, plan.draft_ids, order)  # [num_reqs], [num_drafts] batch order
             sampler = draft_logits(np.concatenate([[0], cu_num_tokens]), *drafts)
             batch = dataclasses.replace(batch, **sampler_tensors(sampler, self.device))
-        if self._cross_group is not None:  # encoder-decoder: fast/cross_attention.py
-            batch = with_cross_inputs(batch, self.state, self._cross_group, index_mapping, self.device)
-        if plan.mamba is not None:  # hybrid models: the mamba groups' state indices (fast/mamba.py)
-            counts = drafts[0] if drafts is not None else np.zeros(len(req_ids), np.int64)
-            with interpret(self._interpret):
-                batch = with_state_indices(batch, self.dev, plan, order, counts, self.host_mode)
+        if self.features:  # the model kind's records of the batch (fast/feature.py)
+            records = tuple(f.prepare(self.state, plan, batch, order) for f in self.features)
+            batch = dataclasses.replace(batch, features=records)
         if self.ahead is not None:
             state, at = self.state, np.concatenate([[0], cu_num_tokens])
             pending = pending_tokens(state.sampled_in[index_mapping], state.num_known_tokens[index_mapping],
@@ -219,6 +215,10 @@ class RequestStatePool:
         )
 
     # ---- inspection ----------------------------------------------------------------------------------
+    def feature(self, kind: type[F]) -> F | None:
+        """The pool's instance of a feature class (fast/feature.py), or None where its config lacks the feature."""
+        return find(self.features, kind)
+
     def row_of(self, req_id: str) -> int:
         if req_id not in self.state.row_of:
             raise UnknownRequestError(req_id, "req_id", "request holds no row")

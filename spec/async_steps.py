@@ -49,13 +49,16 @@ A run in async order ends in the pool a synchronous run ends in: the tokens reco
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from spec.drafts import check_accepted
 from spec.errors import ScheduleError, UnknownTokenError
-from spec.state import PoolState
 from spec.types import INDEX_DTYPE, PLACEHOLDER_TOKEN_ID, SchedulerOutput, WorkerConfig
+
+if TYPE_CHECKING:
+    from spec.state import PoolState
 
 REPORTED_AFTER = 1  # steps applied after a record before an apply reports its faults (rule 6)
 PENDING_FIELDS = ("pending_token_indices", "pending_prev_batch_idx")  # the BatchInputs fields of rule 3

@@ -24,17 +24,29 @@ Running the encoder is the model's job: slotmap says where its output goes and w
 
 from __future__ import annotations
 
-import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from spec.errors import InconsistentSchedulerOutputError, MissingBlockError, ModelLengthError
-from spec.types import INDEX_DTYPE, PAD_SLOT_ID, SLOT_DTYPE, BatchInputs, NewRequest, WorkerConfig, is_integral
+from spec.feature import Feature
+from spec.group_rules import GroupRules, NoTokenKV
+from spec.request import ScheduledRequest
+from spec.types import (
+    INDEX_DTYPE,
+    SLOT_DTYPE,
+    BatchInputs,
+    NewRequest,
+    SchedulerOutput,
+    WorkerConfig,
+    feature_record,
+    is_integral,
+)
 
 if TYPE_CHECKING:
-    from spec.state import PoolState
+    from spec.state import PoolState, StepPlan
 
 CROSS_ATTENTION = "cross_attention"
 
@@ -54,11 +66,14 @@ def encoder_slots(blocks: np.ndarray, encoder_len: int, block_size: int) -> np.n
     return (needed[:, None] * block_size + np.arange(block_size)).reshape(-1)[:encoder_len]
 
 
+@feature_record
 @dataclass(frozen=True)
 class CrossInputs:
-    encoder_seq_lens: np.ndarray  # [num_reqs] int32 batch_idx -> L
-    scheduled_encoder_lens: np.ndarray  # [num_reqs] int32 batch_idx -> L where its encoder runs this step, else 0
-    cross_slot_mapping: np.ndarray  # [sum(scheduled_encoder_lens)] int64, batch order
+    """Cross-attention's record of a batch (BatchInputs.features)."""
+
+    encoder_seq_lens: Any  # [num_reqs] int32 batch_idx -> L
+    scheduled_encoder_lens: Any  # [num_reqs] int32 batch_idx -> L where its encoder runs this step, else 0
+    cross_slot_mapping: Any  # [sum(scheduled_encoder_lens)] int64, batch order
 
 
 def cross_inputs(
@@ -83,7 +98,7 @@ def cross_inputs(
 # ---- validation (spec/validate.py calls these at its numbered checks) ------------------------------------
 
 
-def check_encoder_fields(new_requests: tuple[NewRequest, ...]) -> None:
+def check_encoder_fields(new_requests: Sequence[NewRequest]) -> None:
     """Check 1: encoder_len is an integer >= 0."""
     for new in new_requests:
         if not is_integral(new.encoder_len) or new.encoder_len < 0:
@@ -120,18 +135,80 @@ def written_cross_slots(table: np.ndarray, encoder_len: int, num_computed: int, 
     return encoder_slots(table, encoder_len, block_size)
 
 
-def with_cross_inputs(batch: BatchInputs, state: PoolState, group: int) -> BatchInputs:
-    """The batch of a model with a cross group (at `group`): its three cross fields, its slot_mappings[group] PAD."""
-    block_size = state.config.kv_groups[group].block_size
-    cross = cross_inputs(
-        state.block_tables[group], batch.index_mapping, state.encoder_lens, state.num_computed_tokens, block_size
-    )
-    slots = list(batch.slot_mappings)
-    slots[group] = np.full(batch.num_tokens_padded, PAD_SLOT_ID, SLOT_DTYPE)  # [T] decoder tokens write no cross KV
-    return dataclasses.replace(
-        batch,
-        slot_mappings=tuple(slots),
-        encoder_seq_lens=cross.encoder_seq_lens,
-        scheduled_encoder_lens=cross.scheduled_encoder_lens,
-        cross_slot_mapping=cross.cross_slot_mapping,
-    )
+class CrossAttention(Feature):
+    """The feature (spec/feature.py): each row's encoder length, the cross group's rules, the batch's cross fields."""
+
+    name = CROSS_ATTENTION
+
+    @classmethod
+    def configured(cls, config: WorkerConfig) -> bool:
+        return cross_group(config) is not None
+
+    @classmethod
+    def check_request_fields(cls, new_requests: Sequence[NewRequest], config: WorkerConfig) -> None:
+        check_encoder_fields(new_requests)
+
+    @classmethod
+    def check_request_lengths(cls, new_requests: Sequence[NewRequest], config: WorkerConfig) -> None:
+        for new in new_requests:
+            check_encoder_len(new, config)
+
+    def __init__(self, config: WorkerConfig) -> None:
+        super().__init__(config)
+        self.group: int = cross_group(config)  # type: ignore[assignment]  # configured: the group exists
+        self.encoder_lens = np.zeros(config.max_num_reqs, np.int64)  # [R] req_state_idx -> L (0: a free row)
+        self.step: dict[str, tuple[int, bool]] = {}  # req_id -> (L, new cross blocks) of the step being planned
+        self._rules: dict[int, GroupRules] = {self.group: CrossRules(self)}
+
+    def group_rules(self) -> dict[int, GroupRules]:
+        return self._rules
+
+    def read(self, state: PoolState, sched: SchedulerOutput, scheduled: list[ScheduledRequest]) -> None:
+        """Each request's L and whether its cross blocks are new: a new request's, or a resumed one given others."""
+        given = {new.req_id: int(new.encoder_len) for new in sched.new_requests}
+        self.step = {}
+        for s in scheduled:
+            if s.is_new:
+                self.step[s.req_id] = (given[s.req_id], True)
+                continue
+            row = state.row_of[s.req_id]
+            other = s.resumed and not np.array_equal(s.tables[self.group], state.blocks(row, self.group))
+            self.step[s.req_id] = (int(self.encoder_lens[row]), other)
+
+    def plan(self, state: PoolState, sched: SchedulerOutput, new_rows: np.ndarray, plan: StepPlan) -> np.ndarray:
+        """[k] int64 each new request's L, in `sched.new_requests` order."""
+        return np.array([int(new.encoder_len) for new in sched.new_requests], np.int64)
+
+    def commit(self, state: PoolState, plan: StepPlan) -> None:
+        self.encoder_lens[plan.freed_rows] = 0
+        self.encoder_lens[plan.new_rows] = plan.features[self.name]
+
+    def prepare(self, state: PoolState, plan: StepPlan, batch: BatchInputs, order: np.ndarray | None) -> CrossInputs:
+        block_size = self.config.kv_groups[self.group].block_size
+        return cross_inputs(
+            state.block_tables[self.group],
+            np.asarray(batch.index_mapping),
+            self.encoder_lens,
+            state.num_computed_tokens,
+            block_size,
+        )
+
+
+class CrossRules(NoTokenKV):
+    """The cross group's table: ids and width as any group's (9, 10); it covers L tokens and is filled at position 0
+    (11); its entries are check 9's (12); the step writes the encoder's slots (13); no decoder token writes here."""
+
+    def __init__(self, feature: CrossAttention) -> None:
+        self.feature = feature
+
+    def check_present(self, state: PoolState, s: ScheduledRequest, g: int) -> None:
+        encoder_len, fresh = self.feature.step[s.req_id]
+        block_size = state.config.kv_groups[g].block_size
+        check_cross_blocks(s.req_id, f"block_ids[{g}]", s.tables[g], encoder_len, s.num_computed, fresh, block_size)
+
+    def check_not_null(self, state: PoolState, s: ScheduledRequest, g: int) -> None:
+        return  # a group without a window holds no null entry: check 9 refused any
+
+    def written(self, state: PoolState, s: ScheduledRequest, g: int) -> np.ndarray:
+        encoder_len = self.feature.step[s.req_id][0]
+        return written_cross_slots(s.tables[g], encoder_len, s.num_computed, state.config.kv_groups[g].block_size)

@@ -40,13 +40,27 @@ a step write one state block.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from spec.errors import BlockIdError, BlockTableOverflowError, MissingBlockError, NullBlockError
-from spec.types import INDEX_DTYPE, NULL_BLOCK_ID, PAD_SLOT_ID, BatchInputs, KVCacheGroup, WorkerConfig
+from spec.feature import Feature, in_batch_order
+from spec.group_rules import AttentionRules, GroupRules, NoTokenKV
+from spec.request import ScheduledRequest
+from spec.types import (
+    INDEX_DTYPE,
+    NULL_BLOCK_ID,
+    BatchInputs,
+    KVCacheGroup,
+    SchedulerOutput,
+    WorkerConfig,
+    feature_record,
+)
+
+if TYPE_CHECKING:
+    from spec.state import PoolState, StepPlan
 
 MAMBA = "mamba"
 NO_STATE = -1  # a state index of a row with no prior state, or of a column the row writes nothing to
@@ -191,14 +205,20 @@ def plan_fields(reads: list[StateRead], num_computed: np.ndarray) -> MambaSteps:
     )
 
 
+@feature_record
 @dataclass(frozen=True)
 class StateIndices:
-    """The BatchInputs fields of the mamba groups, in batch order."""
+    """Mamba's record of a batch (BatchInputs.features): the mamba groups' fields, in batch order."""
 
-    mamba_state_indices: tuple[np.ndarray | None, ...]  # per group: [num_reqs, 1 + num_speculative_blocks] int32
-    mamba_prev_state_indices: tuple[np.ndarray | None, ...]  # per group: [num_reqs] int32
-    is_prefilling: np.ndarray  # [num_reqs] bool
-    num_accepted_tokens: np.ndarray | None  # [num_reqs] int32
+    # per group (None for the other groups): [num_reqs, 1 + num_speculative_blocks(g)] int32, the state blocks the
+    # step writes: column 0 the state after the row's last non-draft token, column i after its i-th draft, -1 past
+    # the row's drafts
+    mamba_state_indices: Any
+    mamba_prev_state_indices: Any  # per group as above: [num_reqs] int32, the state block the row starts from, or -1
+    is_prefilling: Any  # [num_reqs] bool, num_computed_tokens < the request's prompt length (vLLM's)
+    # [num_reqs] int32, tokens of the row's previous step whose state is kept (1 + its accepted drafts; 1 for a row
+    # fresh or without drafts); None unless a mamba group keeps speculative blocks (vLLM's, with drafts)
+    num_accepted_tokens: Any
 
 
 def state_indices(
@@ -237,25 +257,89 @@ def batch_steps(steps: MambaSteps, order: np.ndarray | None) -> MambaSteps:
     return MambaSteps(steps.bases[order], steps.num_accepted[order], steps.is_prefilling[order])
 
 
-def with_state_indices(
-    batch: BatchInputs,
-    config: WorkerConfig,
-    block_tables: list[np.ndarray],  # per group: [R, max_blocks_per_req(g)] the pool's tables
-    steps: MambaSteps | None,  # the plan's reads, scheduler order (StepPlan.mamba)
-    scheduled_req_ids: tuple[str, ...],  # [n] scheduler order
-    num_drafts: np.ndarray,  # [num_reqs] batch order
-) -> BatchInputs:
-    """The batch with its mamba fields, and PAD_SLOT_ID for every token in the mamba groups' slot mappings."""
-    if steps is None:
-        return batch
-    at = {r: i for i, r in enumerate(scheduled_req_ids)}
-    order = np.array([at[r] for r in batch.req_ids], np.int64)  # [num_reqs] batch_idx -> scheduler index
-    index_mapping = np.asarray(batch.index_mapping)
-    fields = state_indices(
-        config, block_tables, index_mapping, np.asarray(batch.seq_lens), num_drafts, batch_steps(steps, order)
-    )
-    slot_mappings = tuple(
-        np.full_like(slots, PAD_SLOT_ID) if group.kind == MAMBA else slots
-        for slots, group in zip(batch.slot_mappings, config.kv_groups, strict=True)
-    )
-    return dataclasses.replace(batch, slot_mappings=slot_mappings, **vars(fields))
+class Mamba(Feature):
+    """The feature (spec/feature.py): each row's last step, where each request's state is read, the groups' rules."""
+
+    name = MAMBA
+
+    @classmethod
+    def configured(cls, config: WorkerConfig) -> bool:
+        return has_mamba(config)
+
+    def __init__(self, config: WorkerConfig) -> None:
+        super().__init__(config)
+        self.rows = MambaRows(config.max_num_reqs)  # each row's last step, which its next state read needs
+        self.min_block = min(g.block_size for g in config.kv_groups if g.kind == MAMBA)
+        self.reads: dict[str, StateRead] = {}  # req_id -> its read, for the step being planned
+        rules = MambaRules(self)
+        groups = enumerate(config.kv_groups)
+        self._rules: dict[int, GroupRules] = {g: rules for g, group in groups if group.kind == MAMBA}
+
+    def group_rules(self) -> dict[int, GroupRules]:
+        return self._rules
+
+    def read(self, state: PoolState, sched: SchedulerOutput, scheduled: list[ScheduledRequest]) -> None:
+        """Each request's read: fresh ones from their prefix-cache hit, the others from their row's last step."""
+        rows = self.rows
+        self.reads = {}
+        for s in scheduled:
+            row = state.row_of.get(s.req_id)
+            if row is None:  # a new request (check 3): its known tokens are its prompt; the row's record is not its own
+                self.reads[s.req_id] = state_read(s.num_computed, s.known_tokens, True, 0, 0, self.min_block)
+                continue
+            last = int(rows.last_seq_lens[row]), int(rows.last_num_drafts[row])
+            fresh = s.fresh_tables
+            self.reads[s.req_id] = state_read(s.num_computed, int(rows.prompt_lens[row]), fresh, *last, self.min_block)
+
+    def plan(self, state: PoolState, sched: SchedulerOutput, new_rows: np.ndarray, plan: StepPlan) -> MambaSteps:
+        return plan_fields([self.reads[r] for r in plan.req_ids], plan.num_computed)  # scheduler order
+
+    def commit(self, state: PoolState, plan: StepPlan) -> None:
+        seq_lens = plan.num_computed + plan.num_scheduled
+        self.rows.commit(plan.freed_rows, plan.new_rows, plan.prompt_lens, plan.rows, seq_lens, plan.num_drafts)
+
+    def prepare(self, state: PoolState, plan: StepPlan, batch: BatchInputs, order: np.ndarray | None) -> StateIndices:
+        steps: MambaSteps = plan.features[self.name]
+        drafts = np.zeros(plan.rows.size, np.int64) if plan.num_drafts is None else plan.num_drafts
+        return state_indices(
+            self.config,
+            state.block_tables,
+            np.asarray(batch.index_mapping),
+            np.asarray(batch.seq_lens),
+            in_batch_order(drafts, order),
+            batch_steps(steps, order),
+        )
+
+
+class MambaRules(NoTokenKV):
+    """A mamba group's table: the module docstring's checks 9 to 13; no token writes KV here."""
+
+    def __init__(self, feature: Mamba) -> None:
+        self.feature = feature
+
+    def check_ids(self, state: PoolState, s: ScheduledRequest, g: int) -> None:
+        AttentionRules.check_range(state, s, g)
+        check_ids(s.req_id, g, state.config.kv_groups[g], s.tables[g])
+
+    def held_ids(self, state: PoolState, s: ScheduledRequest, g: int) -> np.ndarray:
+        table = s.tables[g]  # every non-null entry is a state the request holds
+        return table[table != NULL_BLOCK_ID]
+
+    def check_size(self, state: PoolState, s: ScheduledRequest, g: int) -> None:
+        super().check_size(state, s, g)
+        check_drafts(s.req_id, g, state.config.kv_groups[g], s.num_drafts)
+
+    def check_present(self, state: PoolState, s: ScheduledRequest, g: int) -> None:
+        group = state.config.kv_groups[g]
+        write = write_column(s.num_computed, s.num_scheduled, group.block_size)
+        check_present(s.req_id, g, group, s.tables[g], self.feature.reads[s.req_id], write, s.num_drafts)
+
+    def check_not_null(self, state: PoolState, s: ScheduledRequest, g: int) -> None:
+        group = state.config.kv_groups[g]
+        write = write_column(s.num_computed, s.num_scheduled, group.block_size)
+        check_not_null(s.req_id, g, group, s.tables[g], self.feature.reads[s.req_id], write, s.num_drafts)
+
+    def written(self, state: PoolState, s: ScheduledRequest, g: int) -> np.ndarray:
+        """A state block, not a slot: no two requests may write one."""
+        write = write_column(s.num_computed, s.num_scheduled, state.config.kv_groups[g].block_size)
+        return written_blocks(s.tables[g], write, s.num_drafts)

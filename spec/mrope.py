@@ -31,11 +31,16 @@ from __future__ import annotations
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from spec.errors import InconsistentSchedulerOutputError
-from spec.types import TOKEN_DTYPE, NewRequest, WorkerConfig, is_integral
+from spec.feature import Feature
+from spec.types import TOKEN_DTYPE, BatchInputs, NewRequest, SchedulerOutput, WorkerConfig, feature_record, is_integral
+
+if TYPE_CHECKING:
+    from spec.state import PoolState, StepPlan
 
 NUM_MROPE_ROWS = 3  # temporal, height, width
 # |delta| bound: p + delta stays inside int64 for every position p < max_model_len
@@ -119,6 +124,11 @@ def mrope_writes(new_requests: Sequence[NewRequest], new_rows: Sequence[int]) ->
     )
 
 
+class MRopeStore(Protocol):
+    def commit(self, freed_rows: np.ndarray, writes: MRopeWrites | None) -> None:
+        """Finished rows lose their table (the next owner may be a text request), then new tables are stored."""
+
+
 class MRopeRows:
     """Every row's position table and delta: the state M-RoPE positions are cut from.
 
@@ -163,3 +173,44 @@ class MRopeRows:
 
 
 _NO_TABLE = np.zeros((NUM_MROPE_ROWS, 0), np.int64)
+
+
+@feature_record
+@dataclass(frozen=True)
+class MRopeInputs:
+    """M-RoPE's record of a batch (BatchInputs.features)."""
+
+    mrope_positions: Any  # [3, T] int64 M-RoPE positions (temporal, height, width), 0 for padding
+
+
+class MRope(Feature):
+    """The feature (spec/feature.py): new requests bring tables, rows keep them, prepare cuts each step's columns."""
+
+    name = "mrope"
+
+    @classmethod
+    def configured(cls, config: WorkerConfig) -> bool:
+        return config.uses_mrope
+
+    @classmethod
+    def check_request_fields(cls, new_requests: Sequence[NewRequest], config: WorkerConfig) -> None:
+        for new in new_requests:
+            check_mrope_inputs(new, config)
+
+    def __init__(self, config: WorkerConfig, rows: MRopeStore | None = None) -> None:
+        """`rows`: where the tables are kept (a backend may keep them on its device); default: MRopeRows."""
+        super().__init__(config)
+        self.rows: MRopeStore = MRopeRows(config) if rows is None else rows
+
+    def plan(
+        self, state: PoolState, sched: SchedulerOutput, new_rows: np.ndarray, plan: StepPlan
+    ) -> MRopeWrites | None:
+        return mrope_writes(sched.new_requests, new_rows.tolist())
+
+    def commit(self, state: PoolState, plan: StepPlan) -> None:
+        self.rows.commit(plan.freed_rows, plan.features.get(self.name))
+
+    def prepare(self, state: PoolState, plan: StepPlan, batch: BatchInputs, order: np.ndarray | None) -> MRopeInputs:
+        token_rows = np.repeat(np.asarray(batch.index_mapping, np.int64), batch.num_scheduled_tokens)  # [num_tokens]
+        rows: MRopeRows = self.rows  # type: ignore[assignment]  # spec's pool keeps spec's rows
+        return MRopeInputs(rows.positions(batch.positions, token_rows))

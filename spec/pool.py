@@ -13,18 +13,18 @@ Speculative decoding (drafts in the batch, accepted tokens, rollback) is describ
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, TypeVar
 
 import numpy as np
 
 from spec.async_steps import REPORTED_AFTER, LateFault, correct_counts, pending_tokens, record_ahead
 from spec.batch import batch_order
-from spec.cross_attention import cross_group, with_cross_inputs
 from spec.drafts import DraftLogits, accepted_rows, check_accepted, draft_logits, draft_token_indices
 from spec.errors import InconsistentSchedulerOutputError, UnknownRequestError
+from spec.feature import Feature, find, group_rules
 from spec.flatten import flatten
-from spec.mamba import with_state_indices
-from spec.mrope import MRopeRows
-from spec.slots import gather_block_tables, slot_mapping
+from spec.model_kinds import features_for
+from spec.slots import gather_block_tables
 from spec.state import PoolState, StepPlan
 from spec.types import (
     INDEX_DTYPE,
@@ -38,14 +38,17 @@ from spec.types import (
 )
 from spec.validate import plan_step
 
+F = TypeVar("F", bound=Feature)
+
 
 class RequestStatePool:
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
         self.state = PoolState(config)
+        self.features = features_for(config)  # the model kind's (spec/feature.py): none for a plain decoder
+        self._group_rules = group_rules(config, self.features)  # per KV group: its table rules, its slots
         # [R, max_model_len]; np.zeros maps untouched pages lazily, so memory follows the tokens held
         self.token_ids = np.zeros((config.max_num_reqs, config.max_model_len), TOKEN_STORAGE_DTYPE)
-        self.mrope = MRopeRows(config) if config.uses_mrope else None  # each row's M-RoPE table and delta
         self._applied: SchedulerOutput | None = None
         self._plan: StepPlan | None = None  # the applied output as validated: what prepare reads
         self._prepared: BatchInputs | None = None  # the batch record_sampled may take
@@ -59,13 +62,13 @@ class RequestStatePool:
     def apply(self, sched: SchedulerOutput) -> None:
         if self._late_faults and self._late_faults[0].due <= self._applied_steps:  # async: a late fault
             raise self._late_faults.pop(0).error
-        plan = plan_step(self.state, sched)  # raises before anything below runs
+        plan = plan_step(self.state, sched, self.features)  # raises before anything below runs
         self.state.commit(plan)
+        for feature in self.features:
+            feature.commit(self.state, plan)
         self._applied_steps += 1
         if self.config.async_scheduling:
             correct_counts(self.state, sched, plan.freed_rows, self._num_rejected)
-        if self.mrope is not None:
-            self.mrope.commit(plan.freed_rows, plan.mrope)
         starts = np.cumsum(plan.prompt_lens) - plan.prompt_lens  # [k] where each prompt begins in prompt_tokens
         for row, start, length in zip(plan.new_rows, starts, plan.prompt_lens, strict=True):
             self.token_ids[row, :length] = plan.prompt_tokens[start : start + length]
@@ -87,7 +90,7 @@ class RequestStatePool:
         if sampler is not None:  # the draft positions lie past the known tokens: their ids are the drafts
             flat.input_ids[draft_token_indices(flat.query_start_loc, num_drafts)] = sampler.draft_token_ids
         groups = self.config.kv_groups
-        self._prepared = BatchInputs(
+        batch = BatchInputs(
             req_ids=req_ids,
             index_mapping=index_mapping,
             num_scheduled_tokens=num_scheduled,
@@ -97,21 +100,20 @@ class RequestStatePool:
             seq_lens=flat.seq_lens,
             logits_indices=flat.logits_indices if sampler is None else sampler.logits_indices,
             block_tables=tuple(gather_block_tables(t, index_mapping) for t in self.state.block_tables),
-            slot_mappings=tuple(
-                slot_mapping(t, flat.token_rows, flat.positions, g.block_size)
-                for t, g in zip(self.state.block_tables, groups, strict=True)
+            slot_mappings=tuple(  # a feature's group (spec/feature.py) may hold no token's KV: its rules say
+                rules.token_slots(t, flat.token_rows, flat.positions, g.block_size)
+                for t, g, rules in zip(self.state.block_tables, groups, self._group_rules, strict=True)
             ),
             num_tokens=num_tokens,
             num_tokens_padded=padded,
             **({} if sampler is None else _sampler_fields(sampler)),
-            mrope_positions=None if self.mrope is None else self.mrope.positions(flat.positions, flat.token_rows),
         )
-        if (cross := cross_group(self.config)) is not None:  # encoder-decoder: spec/cross_attention.py
-            self._prepared = with_cross_inputs(self._prepared, self.state, cross)
-        state = self.state  # hybrid models: the mamba groups' state indices (spec/mamba.py)
-        self._prepared = with_state_indices(
-            self._prepared, self.config, state.block_tables, plan.mamba, plan.req_ids, num_drafts
-        )
+        if self.features:  # the model kind's records of the batch (spec/feature.py)
+            at = {r: i for i, r in enumerate(plan.req_ids)}
+            order = np.array([at[r] for r in req_ids], np.int64)  # [num_reqs] batch_idx -> scheduler index
+            records = tuple(f.prepare(self.state, plan, batch, order) for f in self.features)
+            batch = dataclasses.replace(batch, features=records)
+        self._prepared = batch
         if self.config.async_scheduling:
             state = self.state
             counts = (state.num_known_tokens[index_mapping], state.num_computed_tokens[index_mapping])
@@ -174,6 +176,10 @@ class RequestStatePool:
             and np.array_equal(np.asarray(batch.seq_lens), seq_lens)
         )
 
+    def feature(self, kind: type[F]) -> F | None:
+        """The pool's instance of a feature class (spec/feature.py), or None where its config lacks the feature."""
+        return find(self.features, kind)
+
     def row_of(self, req_id: str) -> int:
         if req_id not in self.state.row_of:
             raise UnknownRequestError(req_id, "req_id", "request holds no row")
@@ -194,7 +200,7 @@ class RequestStatePool:
         )
 
 
-def _sampler_fields(sampler: DraftLogits) -> dict[str, np.ndarray]:
+def _sampler_fields(sampler: DraftLogits) -> dict[str, Any]:
     return {
         "num_draft_tokens": sampler.num_draft_tokens,
         "cu_num_draft_tokens": sampler.cu_num_draft_tokens,

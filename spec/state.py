@@ -6,12 +6,11 @@ its tables on a device can keep a `PoolState` on the host as its mirror and shar
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
-from spec.mamba import MambaRows, MambaSteps
-from spec.mrope import MRopeWrites
 from spec.types import BLOCK_ID_DTYPE, NULL_BLOCK_ID, WorkerConfig
 
 
@@ -48,9 +47,8 @@ class StepPlan:
     num_computed: np.ndarray  # [n] int64 scheduler order: num_computed_tokens as the step sets it
     num_drafts: np.ndarray | None  # [n] int64 scheduler order: drafts of each request; None: nobody drafts
     draft_ids: np.ndarray  # [sum(num_drafts)] int32, scheduler order
-    mrope: MRopeWrites | None = None  # the new requests' M-RoPE tables (spec/mrope.py); None: a model without
-    new_encoder_lens: np.ndarray | None = None  # [k] int64 each new request's encoder_len (spec/cross_attention.py)
-    mamba: MambaSteps | None = None  # where each request's mamba state is read (spec/mamba.py); None: no mamba group
+    # feature name -> its part of the step (spec/feature.py, Feature.plan), for the config's features that keep one
+    features: dict[str, Any] = field(default_factory=dict)
 
     def drafts_of(self) -> dict[str, np.ndarray]:
         """req_id -> its draft ids, for the requests that draft (spec/drafts.py)."""
@@ -77,8 +75,6 @@ class PoolState:
         self.num_known_tokens = np.zeros(rows, np.int64)  # [R] known tokens: prompt + sampled (accepted)
         self.num_computed_tokens = np.zeros(rows, np.int64)  # [R]
         self.num_blocks = np.zeros((len(config.kv_groups), rows), np.int64)  # [G, R] filled entries
-        self.encoder_lens = np.zeros(rows, np.int64)  # [R] encoder tokens in the cross group (0: none)
-        self.mamba_rows = MambaRows(rows)  # each row's last step, which its next mamba state read needs
         # What a host scheduling ahead knows of the last record_sampled without its values (spec/async_steps.py):
         self.sampled_in = np.full(rows, -1, np.int64)  # [R] batch_idx of the last recorded batch the row sampled in
         self.num_unverified_drafts = np.zeros(rows, np.int64)  # [R] drafts of that row whose verdict is unread
@@ -107,7 +103,6 @@ class PoolState:
             self.num_known_tokens[freed] = 0
             self.num_computed_tokens[freed] = 0
             self.num_blocks[:, freed] = 0
-            self.encoder_lens[freed] = 0
             self.sampled_in[freed] = -1  # a new owner of the row has no pending token
             for table in self.block_tables:
                 table[freed] = NULL_BLOCK_ID  # no stale ids survive into the next owner's row
@@ -116,15 +111,10 @@ class PoolState:
                 self.req_ids[row] = req_id
                 self.row_of[req_id] = row
             self.num_known_tokens[plan.new_rows] = plan.prompt_lens
-            if plan.new_encoder_lens is not None:
-                self.encoder_lens[plan.new_rows] = plan.new_encoder_lens
         for g, writes in enumerate(plan.tables):
             if writes.rows.size:
                 self.write_table(g, writes)
         self.num_computed_tokens[plan.rows] = plan.num_computed
-        if plan.mamba is not None:  # a model with a mamba group: every plan of it reads states (spec/mamba.py)
-            seq_lens = plan.num_computed + plan.num_scheduled
-            self.mamba_rows.commit(freed, plan.new_rows, plan.prompt_lens, plan.rows, seq_lens, plan.num_drafts)
         if self.config.async_scheduling:
             self.num_unverified_drafts[:] = 0  # the step after this one is scheduled knowing the verdicts
 

@@ -9,9 +9,11 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, overload
+from typing import Any, TypeVar, overload
 
 import numpy as np
+
+R = TypeVar("R")  # a feature's batch record type (BatchInputs.feature)
 
 PAD_SLOT_ID = -1  # slot of a padding token: write_kv skips it
 NULL_BLOCK_ID = 0  # block 0 of every group never holds real KV
@@ -262,34 +264,46 @@ class BatchInputs:
     draft_token_ids: Any = None  # [num_drafts] int64, the drafts in batch order
     target_logits_indices: Any = None  # [num_drafts] int32, row of logits[logits_indices] that verifies each draft
     bonus_logits_indices: Any = None  # [num_reqs] int32, row of logits[logits_indices] after each row's last draft
-    # [3, T] int64 M-RoPE positions (temporal, height, width; spec/mrope.py), 0 for padding; None for a model
-    # without M-RoPE (WorkerConfig.uses_mrope False)
-    mrope_positions: Any = None
-    # Encoder-decoder cross-attention (spec/cross_attention.py). None for a model without a cross_attention group.
-    encoder_seq_lens: Any = None  # [num_reqs] int32, each row's encoder length L: the keys its cross-attention reads
-    # [num_reqs] int32, L for the rows whose encoder output is written this step (a step starting at position 0), else 0
-    scheduled_encoder_lens: Any = None
-    # [sum(scheduled_encoder_lens)] int64, the cross group's slot of each encoder token written this step, rows in
-    # batch order; the cross group's slot_mappings[g] is all PAD_SLOT_ID (decoder tokens write no cross KV)
-    cross_slot_mapping: Any = None
-    # Mamba state groups (spec/mamba.py): None for a model without a mamba group. Per group (None entries for
-    # the other groups): [num_reqs, 1 + num_speculative_blocks(g)] int32, the state blocks the step writes: column 0
-    # the state after the row's last non-draft token, column i after its i-th draft, -1 past the row's drafts
-    mamba_state_indices: Any = None
-    # per group as above: [num_reqs] int32, the state block the row starts from; -1 for a row with no prior state
-    mamba_prev_state_indices: Any = None
-    is_prefilling: Any = None  # [num_reqs] bool, num_computed_tokens < the request's prompt length (vLLM's)
-    # [num_reqs] int32, tokens of the row's previous step whose state is kept (1 + its accepted drafts; 1 for a row
-    # fresh or without drafts); None unless a mamba group keeps speculative blocks (vLLM's, with drafts)
-    num_accepted_tokens: Any = None
     # Async scheduling (spec/async_steps.py): None unless WorkerConfig.async_scheduling. The tokens whose input id is
     # the previous step's sample, which a host scheduling ahead does not know: vLLM gathers them on the device.
     pending_token_indices: Any = None  # [num_pending] int32 flat token indices, ascending
     pending_prev_batch_idx: Any = None  # [num_pending] int32, the previous batch's batch_idx that sampled each
 
+    # The model-kind features' records (spec/feature.py), one per feature of the config: () for a plain decoder.
+    # Each is a frozen dataclass whose fields read as the batch's own (batch.mrope_positions, below).
+    features: tuple[Any, ...] = ()
+
     @property
     def num_reqs(self) -> int:
         return len(self.req_ids)
+
+    def feature(self, record_type: type[R]) -> R | None:
+        """The batch's record of one feature (e.g. spec.mamba.StateIndices), or None for a model without it."""
+        return next((r for r in self.features if isinstance(r, record_type)), None)
+
+    def __getattr__(self, name: str) -> Any:
+        """A feature record's field read by its name, as every field of the batch is: `batch.mrope_positions` is
+        the M-RoPE record's, and None for a model without M-RoPE (any known feature's field, `FEATURE_FIELDS`)."""
+        for record in self.__dict__.get("features", ()):
+            if name in record.__dataclass_fields__:
+                return getattr(record, name)
+        if name in FEATURE_FIELDS:
+            return None
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+
+# The field names of every feature record (spec/feature.py), filled as each record class is defined
+# (`feature_record`): a field read on a batch of a model without the feature is None, any other name an error.
+FEATURE_FIELDS: set[str] = set()
+
+
+def feature_record(cls: type[R]) -> type[R]:
+    """Declare a frozen dataclass as a feature's batch record: its fields read as fields of BatchInputs."""
+    clash = set(cls.__dataclass_fields__) & ({f for f in BatchInputs.__dataclass_fields__} | FEATURE_FIELDS)  # type: ignore[attr-defined]
+    if clash:
+        raise TypeError(f"{cls.__name__}: field(s) {sorted(clash)} already read on BatchInputs")
+    FEATURE_FIELDS.update(cls.__dataclass_fields__)  # type: ignore[attr-defined]
+    return cls
 
 
 @dataclass(frozen=True)

@@ -40,51 +40,29 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from spec.async_steps import check_no_drafts_after_unverified, check_resumed_within_known, lowest_start
-from spec.cross_attention import (
-    check_cross_blocks,
-    check_encoder_fields,
-    check_encoder_len,
-    cross_group,
-    written_cross_slots,
-)
+from spec.async_steps import check_no_drafts_after_unverified, check_resumed_within_known
 from spec.errors import (
     BlockIdError,
-    BlockTableOverflowError,
     DuplicateRequestError,
     DuplicateSlotError,
     InconsistentSchedulerOutputError,
-    MissingBlockError,
     ModelLengthError,
-    NullBlockError,
     PoolFullError,
     TokenBudgetError,
     TokenIdError,
     UnknownRequestError,
     UnknownTokenError,
 )
-from spec.mamba import (
-    MAMBA,
-    StateRead,
-    check_drafts,
-    check_ids,
-    check_not_null,
-    check_present,
-    has_mamba,
-    plan_fields,
-    state_read,
-    write_column,
-    written_blocks,
-)
-from spec.mrope import check_mrope_inputs, mrope_writes
+from spec.feature import Feature, group_rules
+from spec.group_rules import GroupRules
+from spec.model_kinds import known_features
+from spec.request import ScheduledRequest
 from spec.state import PoolState, StepPlan, TableWrites
 from spec.types import (
-    NULL_BLOCK_ID,
     TOKEN_STORAGE_DTYPE,
     CachedRequest,
     CachedRequestColumns,
@@ -97,33 +75,17 @@ _SEQUENCES = (tuple, list)
 _ID_SETS = (frozenset, set, tuple, list)
 
 
-@dataclass
-class _Scheduled:
-    """One scheduled request as it will stand after the step."""
-
-    req_id: str
-    known_tokens: int
-    num_computed: int
-    num_scheduled: int
-    num_drafts: int  # the step's last num_drafts tokens are drafts, at positions known_tokens ..
-    tables: list[np.ndarray]  # per group: the whole table after the step (empty where `malformed`)
-    malformed: list[int]  # groups whose given ids are not integers (check 9 rejects them)
-    encoder_len: int = 0  # encoder tokens in the cross group (spec/cross_attention.py)
-    fresh_tables: bool = False  # new or resumed: the step replaces its tables
-    fresh_cross_blocks: bool = False  # new, or resumed with other cross blocks (spec/cross_attention.py)
-    state_read: StateRead | None = None  # with mamba groups: where the step's initial state is (spec/mamba.py)
-
-
-def plan_step(state: PoolState, sched: SchedulerOutput) -> StepPlan:
+def plan_step(state: PoolState, sched: SchedulerOutput, features: Sequence[Feature]) -> StepPlan:
+    """The validated step, or the first check's error. `features`: the pool's (spec/feature.py), none for a plain
+    decoder."""
     config = state.config
     num_groups = len(config.kv_groups)
     if isinstance(sched.cached_requests, CachedRequestColumns):
         _check_containers(sched)  # the columns agree in length, so they read as one request each
         sched = dataclasses.replace(sched, cached_requests=tuple(sched.cached_requests))  # read them once
     _check_consistency(sched, num_groups)
-    check_encoder_fields(sched.new_requests)
-    for new in sched.new_requests:
-        check_mrope_inputs(new, config)  # check 1 for the position tables (spec/mrope.py)
+    for kind in known_features():  # check 1 for the fields a model kind adds to a request (spec/feature.py)
+        kind.check_request_fields(sched.new_requests, config)
 
     for req_id in sorted(sched.finished_req_ids):
         if req_id not in state.row_of:
@@ -170,14 +132,14 @@ def plan_step(state: PoolState, sched: SchedulerOutput) -> StepPlan:
         if drafts.size:
             drafts_of[req_id] = drafts.astype(TOKEN_STORAGE_DTYPE)  # frozen here, as the prompts
 
-    scheduled = _scheduled_requests(state, sched, new_rows, drafts_of)
-    if has_mamba(config):
-        _read_states(state, scheduled)
+    scheduled = _scheduled_requests(state, sched, drafts_of)
+    for feature in features:  # what its checks and plan need of each request (spec/feature.py)
+        feature.read(state, sched, scheduled)
     for new in sched.new_requests:
         if len(new.prompt_token_ids) > config.max_model_len:
             raise ModelLengthError(new.req_id, "prompt_token_ids", f"{len(new.prompt_token_ids)} tokens")
-    for new in sched.new_requests:
-        check_encoder_len(new, config)
+    for kind in known_features():
+        kind.check_request_lengths(sched.new_requests, config)
     for s in scheduled:
         if s.num_computed + s.num_scheduled > config.max_model_len:
             raise ModelLengthError(
@@ -195,23 +157,22 @@ def plan_step(state: PoolState, sched: SchedulerOutput) -> StepPlan:
     if config.async_scheduling:
         check_no_drafts_after_unverified(state, sched)
         check_resumed_within_known(state, sched)
+    rules = group_rules(config, features)  # per group: its table rules (spec/group_rules.py), a feature's for its own
     for s in scheduled:
-        for g in range(num_groups):
-            _check_block_ids(state, s, g)
+        for g, table_rules in enumerate(rules):
+            table_rules.check_ids(state, s, g)
     if config.one_block_pool and num_groups > 1:  # check 9 across groups, once every table passed it alone
-        _check_one_pool(state, scheduled)
-    for check in (_check_table_sizes, _check_blocks_present, _check_null_reads):
+        _check_one_pool(state, scheduled, rules)
+    for check in ("check_size", "check_present", "check_not_null"):  # checks 10, 11, 12
         for s in scheduled:
-            for g in range(num_groups):
-                check(state, s, g)
-    _check_unique_slots(state, scheduled)
+            for g, table_rules in enumerate(rules):
+                getattr(table_rules, check)(state, s, g)
+    _check_unique_slots(state, scheduled, rules)
 
     plan = _plan(state, sched, freed_rows, new_rows, prompts, drafts_of, scheduled)
-    if has_mamba(config):
-        by_id = {s.req_id: s for s in scheduled}
-        reads = [by_id[r].state_read for r in plan.req_ids]  # scheduler order
-        plan = dataclasses.replace(plan, mamba=plan_fields(reads, plan.num_computed))  # type: ignore[arg-type]
-    return dataclasses.replace(plan, mrope=mrope_writes(sched.new_requests, new_rows)) if config.uses_mrope else plan
+    rows = np.array(new_rows, np.int64)
+    parts = {f.name: part for f in features if (part := f.plan(state, sched, rows, plan)) is not None}
+    return dataclasses.replace(plan, features=parts) if parts else plan
 
 
 def _plan(
@@ -221,7 +182,7 @@ def _plan(
     new_rows: list[int],  # parallel to sched.new_requests
     prompts: list[np.ndarray],  # parallel to new_rows
     drafts_of: dict[str, np.ndarray],  # req_id -> drafts (non-empty only)
-    scheduled: list[_Scheduled],  # new then cached requests
+    scheduled: list[ScheduledRequest],  # new then cached requests
 ) -> StepPlan:
     """The validated step as the arrays of a StepPlan: everything prepare reads of the output, frozen here."""
     row_of = dict(zip([s.req_id for s in scheduled], _rows(state, sched, new_rows), strict=True))
@@ -242,26 +203,7 @@ def _plan(
         num_computed=np.array([by_id[r].num_computed for r in req_ids], np.int64),
         num_drafts=np.array([d.size for d in drafts], np.int64) if drafts_of else None,
         draft_ids=np.concatenate([no_tokens, *drafts]),
-        new_encoder_lens=_new_encoder_lens(state, scheduled[: len(new_rows)]),
     )
-
-
-def _new_encoder_lens(state: PoolState, new: list[_Scheduled]) -> np.ndarray | None:
-    """[k] the new requests' encoder_len, for a model with a cross group (spec/cross_attention.py)."""
-    return None if cross_group(state.config) is None else np.array([s.encoder_len for s in new], np.int64)
-
-
-def _read_states(state: PoolState, scheduled: list[_Scheduled]) -> None:
-    """Each request's read of its mamba state (spec/mamba.py): fresh ones from their hit, the others from their row."""
-    rows = state.mamba_rows
-    min_block = min(g.block_size for g in state.config.kv_groups if g.kind == MAMBA)
-    for s in scheduled:
-        row = state.row_of.get(s.req_id)
-        if row is None:  # a new request (check 3): its known tokens are its prompt; the row's record is not its own
-            s.state_read = state_read(s.num_computed, s.known_tokens, True, 0, 0, min_block)
-            continue
-        last = int(rows.last_seq_lens[row]), int(rows.last_num_drafts[row])
-        s.state_read = state_read(s.num_computed, int(rows.prompt_lens[row]), s.fresh_tables, *last, min_block)
 
 
 def _check_consistency(sched: SchedulerOutput, num_groups: int) -> None:
@@ -382,23 +324,23 @@ def _rows(state: PoolState, sched: SchedulerOutput, new_rows: list[int]) -> list
 
 
 def _scheduled_requests(
-    state: PoolState, sched: SchedulerOutput, new_rows: list[int], drafts_of: dict[str, np.ndarray]
-) -> list[_Scheduled]:
+    state: PoolState, sched: SchedulerOutput, drafts_of: dict[str, np.ndarray]
+) -> list[ScheduledRequest]:
+    """Every scheduled request as it will stand after the step: the new ones in the order given, then the cached."""
     out = []
     for new in sched.new_requests:
         tables, malformed = _tables([], new.block_ids)
         out.append(
-            _Scheduled(
+            ScheduledRequest(
                 new.req_id,
                 len(new.prompt_token_ids),
                 int(new.num_computed_tokens),  # integers of any type (check 1): mixed NumPy types must not promote
                 int(sched.num_scheduled_tokens[new.req_id]),
                 _num_drafts(drafts_of, new.req_id),
                 tables,
-                malformed,
-                int(new.encoder_len),
-                True,
-                True,
+                is_new=True,
+                resumed=False,
+                malformed=malformed,
             )
         )
     for cached in sched.cached_requests:
@@ -406,28 +348,20 @@ def _scheduled_requests(
         groups = range(len(state.config.kv_groups))
         kept = [np.zeros(0, np.int64) if cached.resumed else state.blocks(row, g) for g in groups]
         tables, malformed = _tables(kept, cached.new_block_ids or tuple(() for _ in groups))
-        known = int(state.num_known_tokens[row])
         out.append(
-            _Scheduled(
+            ScheduledRequest(
                 cached.req_id,
-                known,
+                int(state.num_known_tokens[row]),
                 int(cached.num_computed_tokens),
                 int(sched.num_scheduled_tokens[cached.req_id]),
                 _num_drafts(drafts_of, cached.req_id),
                 tables,
-                malformed,
-                int(state.encoder_lens[row]),
-                cached.resumed,
-                cached.resumed and _other_cross_blocks(state, row, tables),
+                is_new=False,
+                resumed=bool(cached.resumed),
+                malformed=malformed,
             )
         )
     return out
-
-
-def _other_cross_blocks(state: PoolState, row: int, tables: list[np.ndarray]) -> bool:
-    """A resumed table that gives the row other cross blocks than it holds (spec/cross_attention.py)."""
-    g = cross_group(state.config)
-    return g is not None and not np.array_equal(tables[g], state.blocks(row, g))
 
 
 def _num_drafts(drafts_of: dict[str, np.ndarray], req_id: str) -> int:
@@ -448,47 +382,7 @@ def _tables(kept: list[np.ndarray], given: tuple[tuple[int, ...], ...]) -> tuple
     return tables, malformed
 
 
-def _check_block_ids(state: PoolState, s: _Scheduled, g: int) -> None:
-    group, table = state.config.kv_groups[g], s.tables[g]
-    if g in s.malformed:
-        raise BlockIdError(s.req_id, f"block_ids[{g}]", "not a tuple, list or 1-D array of integer ids")
-    bad = table[(table < 0) | (table >= group.num_blocks)]
-    if bad.size:
-        raise BlockIdError(s.req_id, f"block_ids[{g}]", f"{bad[0]} not in [0, {group.num_blocks})")
-    if group.kind == MAMBA:
-        return check_ids(s.req_id, g, group, table)
-    live_from = _live_from(state, s, g)
-    real = np.sort(_held_ids(state, s, g))
-    if (real[1:] == real[:-1]).any():  # sorted, a repeated id sits next to itself
-        again = int(real[1:][real[1:] == real[:-1]][0])
-        raise BlockIdError(
-            s.req_id, f"block_ids[{g}]", f"block {again} appears twice among the entries from {live_from} on"
-        )
-    if group.sliding_window is None and (table == NULL_BLOCK_ID).any():
-        raise BlockIdError(s.req_id, f"block_ids[{g}]", "null block in a group without a sliding window")
-
-
-def _live_from(state: PoolState, s: _Scheduled, g: int) -> int:
-    """The first entry of s's table in group g that the request still holds.
-
-    Entries before the step's first read are released for good (this and every later step reads past
-    them): vLLM's worker table is append-only and its allocator reuses freed blocks first, so such an
-    entry may hold an id the request, or another group, is handed again. A mamba table's non-null
-    entries are all states the request holds (spec/mamba.py), and a group without a window releases nothing.
-    """
-    group = state.config.kv_groups[g]
-    if group.kind == MAMBA:
-        return 0
-    return group.first_live_entry(lowest_start(state, s.req_id, s.num_computed))
-
-
-def _held_ids(state: PoolState, s: _Scheduled, g: int) -> np.ndarray:
-    """The non-null ids of s's table in group g from its first live entry on: the blocks it holds there."""
-    live = s.tables[g][_live_from(state, s, g) :]
-    return live[live != NULL_BLOCK_ID]
-
-
-def _check_one_pool(state: PoolState, scheduled: list[_Scheduled]) -> None:
+def _check_one_pool(state: PoolState, scheduled: list[ScheduledRequest], rules: tuple[GroupRules, ...]) -> None:
     """9, with one block pool (WorkerConfig.one_block_pool): an id held in one group is held in no other.
 
     Requests may share a block within a group (a prefix-cache hit); across groups one id would be two
@@ -500,62 +394,17 @@ def _check_one_pool(state: PoolState, scheduled: list[_Scheduled]) -> None:
     holder: dict[int, tuple[int, str]] = {}  # block id -> (group, req_id) of its first held entry
     for s in scheduled:
         for g in range(len(state.config.kv_groups)):
-            for block in _held_ids(state, s, g).tolist():
+            for block in rules[g].held_ids(state, s, g).tolist():
                 first = holder.setdefault(block, (g, s.req_id))
                 if first[0] != g:
                     detail = f"block {block} is held in group {first[0]} by {first[1]!r} too (one block pool)"
                     raise BlockIdError(s.req_id, f"block_ids[{g}]", detail)
 
 
-def _check_table_sizes(state: PoolState, s: _Scheduled, g: int) -> None:
-    limit = state.config.max_blocks_per_req(g)
-    if s.tables[g].size > limit:
-        raise BlockTableOverflowError(s.req_id, f"block_ids[{g}]", f"{s.tables[g].size} blocks > {limit}")
-    if state.config.kv_groups[g].kind == MAMBA:
-        check_drafts(s.req_id, g, state.config.kv_groups[g], s.num_drafts)
-
-
-def _check_blocks_present(state: PoolState, s: _Scheduled, g: int) -> None:
-    block_size = state.config.kv_groups[g].block_size
-    if s.state_read is not None and state.config.kv_groups[g].kind == MAMBA:
-        write = write_column(s.num_computed, s.num_scheduled, block_size)
-        return check_present(s.req_id, g, state.config.kv_groups[g], s.tables[g], s.state_read, write, s.num_drafts)
-    if g == cross_group(state.config):  # the encoder's tokens, not the decoder's positions
-        return check_cross_blocks(
-            s.req_id, f"block_ids[{g}]", s.tables[g], s.encoder_len, s.num_computed, s.fresh_cross_blocks, block_size
-        )
-    last_block = (s.num_computed + s.num_scheduled - 1) // block_size
-    if last_block >= s.tables[g].size:
-        raise MissingBlockError(
-            s.req_id, f"block_ids[{g}]", f"position needs logical block {last_block}, table has {s.tables[g].size}"
-        )
-
-
-def _check_null_reads(state: PoolState, s: _Scheduled, g: int) -> None:
-    group = state.config.kv_groups[g]
-    if s.state_read is not None and group.kind == MAMBA:
-        write = write_column(s.num_computed, s.num_scheduled, group.block_size)
-        return check_not_null(s.req_id, g, group, s.tables[g], s.state_read, write, s.num_drafts)
-    if g == cross_group(state.config):  # its entries are check 9's: a group without a window holds no null
-        return
-    first_read = group.first_read(lowest_start(state, s.req_id, s.num_computed))
-    last = s.num_computed + s.num_scheduled - 1
-    read = s.tables[g][first_read // group.block_size : last // group.block_size + 1]
-    if (read == NULL_BLOCK_ID).any():
-        raise NullBlockError(s.req_id, f"block_ids[{g}]", f"null block inside positions {first_read}..{last}")
-
-
-def _check_unique_slots(state: PoolState, scheduled: list[_Scheduled]) -> None:
-    for g, group in enumerate(state.config.kv_groups):
-        if g == cross_group(state.config):
-            written = [
-                written_cross_slots(s.tables[g], s.encoder_len, s.num_computed, group.block_size) for s in scheduled
-            ]
-        elif group.kind == MAMBA:  # a state block, not a slot: no two requests may write one
-            columns = [write_column(s.num_computed, s.num_scheduled, group.block_size) for s in scheduled]
-            written = [written_blocks(s.tables[g], w, s.num_drafts) for s, w in zip(scheduled, columns, strict=True)]
-        else:
-            written = [_written_slots(s, g, group.block_size) for s in scheduled]  # per request, its tokens' slots
+def _check_unique_slots(state: PoolState, scheduled: list[ScheduledRequest], rules: tuple[GroupRules, ...]) -> None:
+    """13: per group, what the step writes (a slot per token; a feature's group, its own keys), written once."""
+    for g, table_rules in enumerate(rules):
+        written = [table_rules.written(state, s, g) for s in scheduled]  # per request, in step order
         slots = np.concatenate(written) if written else np.zeros(0, np.int64)  # [num_tokens] in step order
         writer = np.repeat(np.arange(len(scheduled)), [w.size for w in written])  # [num_tokens] request index
         order = np.argsort(slots, kind="stable")  # equal slots end up adjacent, earlier tokens first
@@ -567,13 +416,8 @@ def _check_unique_slots(state: PoolState, scheduled: list[_Scheduled]) -> None:
             raise DuplicateSlotError(scheduled[writer[token]].req_id, f"block_ids[{g}]", detail)
 
 
-def _written_slots(s: _Scheduled, g: int, block_size: int) -> np.ndarray:
-    positions = np.arange(s.num_computed, s.num_computed + s.num_scheduled)
-    return s.tables[g][positions // block_size] * block_size + positions % block_size
-
-
 def _table_writes(
-    state: PoolState, sched: SchedulerOutput, new_rows: list[int], scheduled: list[_Scheduled]
+    state: PoolState, sched: SchedulerOutput, new_rows: list[int], scheduled: list[ScheduledRequest]
 ) -> tuple[TableWrites, ...]:
     """Per group, from the validated tables: new and resumed requests replace theirs, the others append their ids."""
     replaces = [True] * len(sched.new_requests) + [c.resumed for c in sched.cached_requests]

@@ -80,8 +80,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "spec-window-reuse-refused",
         "9 BlockIdError: ids distinct among live entries only",
-        "spec/validate.py",
-        "live = s.tables[g][_live_from(state, s, g) :]",
+        "spec/group_rules.py",
+        "live = s.tables[g][self.live_from(state, s, g) :]",
         "live = s.tables[g]",
         (PIPELINE,),
     ),
@@ -121,8 +121,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "spec-one-pool-released-entries-held",
         "9 BlockIdError: a block a window released may go to another group",
         "spec/validate.py",
-        "for block in _held_ids(state, s, g).tolist():",
-        "for block in set(s.tables[g].tolist()) - {NULL_BLOCK_ID}:",
+        "for block in rules[g].held_ids(state, s, g).tolist():",
+        "for block in set(s.tables[g].tolist()) - {0}:",
         (ONE_POOL,),
     ),
     Mutant(
@@ -432,9 +432,9 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "mamba-resumed-row-reads-its-old-state",
         "mamba: a resumed request starts from its new table's state, not the one before its preemption",
-        "spec/validate.py",
-        "int(rows.prompt_lens[row]), s.fresh_tables, *last, min_block)",
-        "int(rows.prompt_lens[row]), False, *last, min_block)",
+        "spec/mamba.py",
+        "fresh = s.fresh_tables",
+        "fresh = False",
         (MAMBA, TINY_HYBRID),
     ),
     Mutant(

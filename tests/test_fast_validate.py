@@ -142,7 +142,7 @@ def _agree(seed: int) -> None:
         invalid = [m[0] for cls in ALL_ERRORS if (m := break_output(cls, out, config, spec_pool.snapshot(), rng))]
         for candidate in [out, *invalid, *_decode_breakages(out, state, rng)]:
             try:
-                plan_step(state, candidate)
+                plan_step(state, candidate, spec_pool.features)
             except ScheduleError:
                 assert plan_bulk_step(state, candidate) is None, candidate
         spec_pool.apply(out)
@@ -405,7 +405,7 @@ def test_drafting_steps_take_the_bulk_path_with_plan_steps_plan() -> None:
             if out.num_scheduled_tokens and not by_design and not any(c.resumed for c in out.cached_requests):
                 plan = plan_bulk_step(pool.state, out)
                 assert plan is not None, out
-                _assert_plans_equal(plan, plan_step(pool.state, out))
+                _assert_plans_equal(plan, plan_step(pool.state, out, pool.features))
                 drafting += plan.num_drafts is not None
             pool.apply(out)
             batch = pool.prepare(out)

@@ -1,0 +1,37 @@
+"""The features on torch tensors: spec/feature.py's protocol, with each feature's prepare on the device.
+
+A fast feature is its spec feature (the same checks, plan and per-row state, so fast's host mirror validates
+and commits exactly as spec does) whose record of the batch is built from device tensors: fast/mrope.py,
+fast/cross_attention.py, fast/mamba.py. fast/pool.py calls them as spec's pool does and never names one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from spec.feature import Feature
+
+if TYPE_CHECKING:
+    from fast.state import DeviceState
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a fast pool's features keep their tensors and how they launch (fixed for the pool's life)."""
+
+    dev: DeviceState  # the pool's device state: its device, its tables
+    host_mode: bool  # CPU tensors sharing the host mirror's memory, compiled loops (fast/pool.py)
+    interpret: bool  # Triton kernels through the interpreter
+
+    @property
+    def device(self) -> torch.device:
+        return self.dev.device
+
+
+class FastFeature(Feature):
+    """A spec feature's fast form (a subclass of both), built with the pool's placement."""
+
+    placement: Placement
