@@ -35,7 +35,6 @@ from typing import TypeVar
 import numpy as np
 import torch
 
-from fast.async_steps import AheadState
 from fast.batch import batch_order
 from fast.drafts import batch_drafts, draft_columns, draft_positions, sampler_tensors
 from fast.feature import Placement
@@ -43,13 +42,12 @@ from fast.host_prepare import HostBatch
 from fast.kernel_prepare import prepare_on_device
 from fast.model_kinds import fast_features_for
 from fast.released import ReleasedTails
-from fast.runtime import interpret, interpret_enabled, upload, use_triton
-from fast.sampled import record_accepted, record_one_per_row
+from fast.runtime import interpret, interpret_enabled, use_triton
 from fast.state import DeviceState, HostMirror, write_prompts
+from fast.step_modes import host_array, step_mode
 from fast.validate import MAX_OWNER_MAP, plan_bulk_step
 from fast.writes import apply_writes, step_writes
-from spec.async_steps import pending_tokens
-from spec.drafts import accepted_rows, draft_logits
+from spec.drafts import draft_logits
 from spec.errors import InconsistentSchedulerOutputError, UnknownRequestError
 from spec.feature import Feature, find
 from spec.pool import check_last_applied, padded_tokens
@@ -87,15 +85,13 @@ class RequestStatePool:
         self._prepared_seq_lens_np = np.zeros(0, np.int64)  # [num_reqs] its seq_lens
         self._prepared_drafts: tuple[np.ndarray, np.ndarray] | None = None  # its batch_drafts; None: none
         self._applied_steps = 0  # outputs applied: the clock of async scheduling's late reads (spec/async_steps.py)
-        self.ahead = AheadState(config, self.dev, self.host_mode, self._interpret) if config.async_scheduling else None
+        # when the pool learns the samples: in step, or one step late (async scheduling, fast/step_modes.py)
+        self.mode = step_mode(config, self.dev, self.host_mode, self._interpret)
 
     # ---- apply -------------------------------------------------------------------------------------
     def apply(self, sched: SchedulerOutput) -> None:
-        if self.ahead is not None:  # the copies of records a step old: the mirror learns their verdicts
-            self.ahead.read_due(self.state, self._applied_steps)
-        # spec's plan_step decides async steps the bulk path does not model (spec/async_steps.py): drafts after
-        # unverified ones (rule 5), and windows checked from the lowest start a verdict may give (rule 4)
-        bulk = self.ahead is None or not (sched.scheduled_spec_decode_tokens or self.state.num_unverified_drafts.any())
+        self.mode.before_apply(self.state, self._applied_steps)
+        bulk = self.mode.plannable_in_bulk(self.state, sched)
         plan = plan_bulk_step(self.state, sched, self.released.tails, self._block_owner) if bulk else None
         if plan is None:
             plan = plan_step(self.state, sched, self.features)  # spec's error, or accepts what the bulk path left
@@ -123,9 +119,7 @@ class RequestStatePool:
                 write_prompts(dev.token_ids_np, plan.new_rows, plan.prompt_lens, plan.prompt_tokens)
             if plan.num_drafts is not None:
                 dev.store_tokens(*draft_positions(plan, plan.num_drafts), plan.draft_ids)
-        if self.ahead is not None:  # the device corrects what the scheduler counted optimistically
-            replaced = plan.tables[0].rows[plan.tables[0].replaced]  # new and resumed requests' rows
-            self.ahead.commit(plan, plan.rows[~np.isin(plan.rows, replaced)])
+        self.mode.after_commit(plan)  # async: the device corrects what the scheduler counted optimistically
 
     # ---- prepare -----------------------------------------------------------------------------------
     def prepare(self, sched: SchedulerOutput, pad_to: int | None = None) -> BatchInputs:
@@ -154,12 +148,8 @@ class RequestStatePool:
         if self.features:  # the model kind's records of the batch (fast/feature.py)
             records = tuple(f.prepare(self.state, plan, batch, order) for f in self.features)
             batch = dataclasses.replace(batch, features=records)
-        if self.ahead is not None:
-            state, at = self.state, np.concatenate([[0], cu_num_tokens])
-            pending = pending_tokens(state.sampled_in[index_mapping], state.num_known_tokens[index_mapping],
-                                     computed, at, num_scheduled)  # fmt: skip
-            indices, sources = (upload(a, self.device) for a in pending)
-            batch = dataclasses.replace(batch, pending_token_indices=indices, pending_prev_batch_idx=sources)
+        if fields := self.mode.batch_fields(self.state, index_mapping, computed, cu_num_tokens, num_scheduled):
+            batch = dataclasses.replace(batch, **fields)
         self._prepared_drafts = drafts
         self._prepared = batch
         self._prepared_rows_np = index_mapping
@@ -172,35 +162,9 @@ class RequestStatePool:
         if batch is not self._prepared and not self._equals_prepared(batch):
             detail = "not the batch of the last prepare (or recorded already)"
             raise InconsistentSchedulerOutputError(None, "batch", detail)
-        if self.ahead is not None:
-            self._record_ahead(batch, sampled_token_ids)
-            return
-        sampled = _host_array(sampled_token_ids)  # the one sync: the ids must be validated
-        if sampled.size and sampled.dtype.kind not in "iu":
-            detail = f"dtype {sampled.dtype}: needs integer ids"
-            raise InconsistentSchedulerOutputError(None, "sampled_token_ids", detail)
-        prepared = (self.dev, self.state, batch.req_ids, self._prepared_rows_np, self._prepared_seq_lens_np)
-        if sampled.ndim > 1 or self._prepared_drafts is not None:
-            record_accepted(*prepared, self._prepared_drafts, sampled)
-        else:
-            record_one_per_row(*prepared, sampled)
-        self._prepared = None
-
-    def _record_ahead(self, batch: BatchInputs, sampled_token_ids: object) -> None:
-        """Async scheduling: what the host can check without the values now, the rest on the device."""
-        sampled = sampled_token_ids if isinstance(sampled_token_ids, torch.Tensor) else None
-        if sampled is None:
-            sampled = torch.from_numpy(np.ascontiguousarray(np.asarray(sampled_token_ids)))
-        dtype = sampled.dtype
-        if sampled.numel() and (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool):
-            detail = f"dtype {str(dtype).removeprefix('torch.')}: needs integer ids"
-            raise InconsistentSchedulerOutputError(None, "sampled_token_ids", detail)
-        accepted_rows(np.empty(tuple(sampled.shape), np.int64), batch.num_reqs)  # its shape errors, as spec's
-        rows, seq_lens, state = self._prepared_rows_np, self._prepared_seq_lens_np, self.state
-        num_drafts, draft_ids = self._prepared_drafts or (np.zeros(rows.size, np.int64), np.zeros(0, np.int64))
-        takes = seq_lens == state.num_known_tokens[rows] + num_drafts  # [num_reqs] the step reached its last input
-        args = (batch.req_ids, rows, takes, num_drafts, draft_ids, sampled.to(self.device))
-        self.ahead.record(state, self._applied_steps, *args)  # type: ignore[union-attr]
+        rows, seq_lens = self._prepared_rows_np, self._prepared_seq_lens_np
+        self.mode.record(self.state, self._applied_steps, batch.req_ids, rows, seq_lens, self._prepared_drafts,
+                         sampled_token_ids)  # fmt: skip
         self._prepared = None
 
     def _equals_prepared(self, batch: BatchInputs) -> bool:
@@ -210,8 +174,8 @@ class RequestStatePool:
             return False
         return (
             tuple(batch.req_ids) == prepared.req_ids
-            and np.array_equal(_host_array(batch.index_mapping), self._prepared_rows_np)
-            and np.array_equal(_host_array(batch.seq_lens), self._prepared_seq_lens_np)
+            and np.array_equal(host_array(batch.index_mapping), self._prepared_rows_np)
+            and np.array_equal(host_array(batch.seq_lens), self._prepared_seq_lens_np)
         )
 
     # ---- inspection ----------------------------------------------------------------------------------
@@ -228,11 +192,8 @@ class RequestStatePool:
         """In time proportional to the tokens held: one device->host copy of the occupied rows' known tokens."""
         state = self.state
         occupied = [row for row, req_id in enumerate(state.req_ids) if req_id is not None]
-        lengths = state.num_known_tokens[occupied]
-        computed = state.num_computed_tokens
-        if self.ahead is not None:  # the host's counts are optimistic until read: ask the device (a sync)
-            lengths = self.ahead.known_counts()[occupied]
-            computed = self.dev.num_computed.cpu().numpy()
+        known, computed = self.mode.known_counts(state)  # [R], [R] async: the device's, not the optimistic host's
+        lengths = known[occupied]
         held = int(lengths.max()) if occupied else 0
         if self.dev.token_ids_np is not None:
             token_ids = self.dev.token_ids_np
@@ -250,9 +211,3 @@ class RequestStatePool:
             )
             for row, at, length in zip(occupied, rows_at, lengths.tolist(), strict=True)
         )
-
-
-def _host_array(x: object) -> np.ndarray:
-    if isinstance(x, torch.Tensor):
-        return x.detach().cpu().numpy()
-    return np.asarray(x)

@@ -17,15 +17,15 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from spec.async_steps import REPORTED_AFTER, LateFault, correct_counts, pending_tokens, record_ahead
 from spec.batch import batch_order
-from spec.drafts import DraftLogits, accepted_rows, check_accepted, draft_logits, draft_token_indices
+from spec.drafts import DraftLogits, accepted_rows, draft_logits, draft_token_indices
 from spec.errors import InconsistentSchedulerOutputError, UnknownRequestError
 from spec.feature import Feature, find, group_rules
 from spec.flatten import flatten
 from spec.model_kinds import features_for
 from spec.slots import gather_block_tables
 from spec.state import PoolState, StepPlan
+from spec.step_modes import step_mode
 from spec.types import (
     INDEX_DTYPE,
     TOKEN_STORAGE_DTYPE,
@@ -54,21 +54,17 @@ class RequestStatePool:
         self._prepared: BatchInputs | None = None  # the batch record_sampled may take
         self._prepared_rows = (np.zeros(0, np.int64), np.zeros(0, np.int64))  # its index_mapping and seq_lens
         self._prepared_drafts: list[np.ndarray] = []  # [num_reqs] its drafts per batch row
-        # async scheduling (spec/async_steps.py): what the host learns of each record one step late
-        self._applied_steps = 0  # outputs applied so far: the clock late faults are due by
-        self._late_faults: list[LateFault] = []
-        self._num_rejected = np.zeros(config.max_num_reqs, np.int64)  # [R] drafts the last record rejected
+        self._applied_steps = 0  # outputs applied so far: the clock async scheduling's late faults are due by
+        self.mode = step_mode(config)  # when the host learns the samples: in step, or a step late (async)
 
     def apply(self, sched: SchedulerOutput) -> None:
-        if self._late_faults and self._late_faults[0].due <= self._applied_steps:  # async: a late fault
-            raise self._late_faults.pop(0).error
+        self.mode.before_apply(self._applied_steps)  # async: a fault due now raises (spec/step_modes.py)
         plan = plan_step(self.state, sched, self.features)  # raises before anything below runs
         self.state.commit(plan)
         for feature in self.features:
             feature.commit(self.state, plan)
         self._applied_steps += 1
-        if self.config.async_scheduling:
-            correct_counts(self.state, sched, plan.freed_rows, self._num_rejected)
+        self.mode.after_commit(self.state, sched, plan)
         starts = np.cumsum(plan.prompt_lens) - plan.prompt_lens  # [k] where each prompt begins in prompt_tokens
         for row, start, length in zip(plan.new_rows, starts, plan.prompt_lens, strict=True):
             self.token_ids[row, :length] = plan.prompt_tokens[start : start + length]
@@ -107,6 +103,7 @@ class RequestStatePool:
             num_tokens=num_tokens,
             num_tokens_padded=padded,
             **({} if sampler is None else _sampler_fields(sampler)),
+            **self.mode.batch_fields(self.state, index_mapping, flat.query_start_loc, num_scheduled),
         )
         if self.features:  # the model kind's records of the batch (spec/feature.py)
             at = {r: i for i, r in enumerate(plan.req_ids)}
@@ -114,15 +111,6 @@ class RequestStatePool:
             records = tuple(f.prepare(self.state, plan, batch, order) for f in self.features)
             batch = dataclasses.replace(batch, features=records)
         self._prepared = batch
-        if self.config.async_scheduling:
-            state = self.state
-            counts = (state.num_known_tokens[index_mapping], state.num_computed_tokens[index_mapping])
-            indices, sources = pending_tokens(
-                state.sampled_in[index_mapping], *counts, flat.query_start_loc, num_scheduled
-            )
-            self._prepared = dataclasses.replace(
-                self._prepared, pending_token_indices=indices, pending_prev_batch_idx=sources
-            )
         self._prepared_rows = (index_mapping.astype(np.int64), flat.seq_lens.copy())
         self._prepared_drafts = drafts
         return self._prepared
@@ -150,19 +138,8 @@ class RequestStatePool:
         drafts = self._prepared_drafts
         known = self.state.num_known_tokens[rows]  # [num_reqs]
         takes = seq_lens == known + [d.size for d in drafts]  # [num_reqs] the step reached its last input token
-        if self.config.async_scheduling:  # the values' checks are reported late (spec/async_steps.py, rule 6)
-            self._prepared = None
-            args = (batch.req_ids, rows, takes, tokens, counts, drafts)
-            self._num_rejected, fault = record_ahead(self.state, self.token_ids, *args)
-            if fault is not None:
-                self._late_faults.append(LateFault(fault, self._applied_steps + REPORTED_AFTER))
-            return
-        for b in np.flatnonzero(takes):
-            check_accepted(batch.req_ids[b], tokens[b], int(counts[b]), drafts[b], int(known[b]), self.config)
-        for b in np.flatnonzero(takes):
-            row, n = rows[b], counts[b]
-            self.token_ids[row, known[b] : known[b] + n] = tokens[b, :n]
-            self.state.num_known_tokens[row] += n
+        self.mode.record(self.state, self.token_ids, self._applied_steps, batch.req_ids, rows, takes, tokens, counts,
+                         drafts)  # fmt: skip
         self._prepared = None
 
     def _is_last_prepared(self, batch: BatchInputs) -> bool:
@@ -186,7 +163,7 @@ class RequestStatePool:
         return self.state.row_of[req_id]
 
     def snapshot(self) -> PoolSnapshot:
-        held = self.state.num_known_tokens - self._num_rejected  # [R] async: the scheduler's count less rejections
+        held = self.mode.held_tokens(self.state)  # [R]
         return tuple(
             RowSnapshot(
                 row=row,

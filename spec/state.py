@@ -115,8 +115,7 @@ class PoolState:
             if writes.rows.size:
                 self.write_table(g, writes)
         self.num_computed_tokens[plan.rows] = plan.num_computed
-        if self.config.async_scheduling:
-            self.num_unverified_drafts[:] = 0  # the step after this one is scheduled knowing the verdicts
+        self.num_unverified_drafts[:] = 0  # async: the step after this one is scheduled knowing the verdicts
 
     def write_table(self, g: int, writes: TableWrites) -> None:
         """One group's table changes: replaced tables cleared, then every row's ids from its start on.

@@ -154,9 +154,10 @@ def plan_step(state: PoolState, sched: SchedulerOutput, features: Sequence[Featu
         if s.num_drafts and end != s.known_tokens + s.num_drafts:  # drafts must follow the last known token
             detail = f"step ends at position {end - 1}: {s.num_drafts} drafts must follow the {s.known_tokens} known"
             raise UnknownTokenError(s.req_id, "scheduled_spec_decode_tokens", detail)
-    if config.async_scheduling:
-        check_no_drafts_after_unverified(state, sched)
-        check_resumed_within_known(state, sched)
+    # async scheduling's two rules of check 8 (spec/async_steps.py): both pass at once where no record left
+    # unverified drafts, as a synchronous pool never does
+    check_no_drafts_after_unverified(state, sched)
+    check_resumed_within_known(state, sched)
     rules = group_rules(config, features)  # per group: its table rules (spec/group_rules.py), a feature's for its own
     for s in scheduled:
         for g, table_rules in enumerate(rules):

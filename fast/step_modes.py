@@ -1,0 +1,181 @@
+"""spec/step_modes.py on torch tensors: when the pool learns a step's samples, in step or one step late.
+
+fast/pool.py calls its mode at the same points as spec's pool and never asks which it is. `InStep` checks the
+ids as they are recorded (fast/sampled.py, the one host sync); `Ahead` is async scheduling, the ids never read
+by the host in time (fast/async_steps.py's AheadState does the work on the device).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from fast.async_steps import AheadState
+from fast.runtime import upload
+from fast.sampled import record_accepted, record_one_per_row
+from fast.state import DeviceState
+from spec.async_steps import pending_tokens
+from spec.drafts import accepted_rows
+from spec.errors import InconsistentSchedulerOutputError
+from spec.state import PoolState, StepPlan
+from spec.types import SchedulerOutput, WorkerConfig
+
+
+class StepMode(Protocol):
+    def before_apply(self, state: PoolState, applied_steps: int) -> None:
+        """Before validation: what the host learns now of earlier records (a fault due now raises)."""
+
+    def plannable_in_bulk(self, state: PoolState, sched: SchedulerOutput) -> bool:
+        """The bulk validator (fast/validate.py) models the step; otherwise spec's plan_step decides it."""
+        ...
+
+    def after_commit(self, plan: StepPlan) -> None:
+        """After the host commit: the device learns what the step's output tells of the last record."""
+
+    def batch_fields(
+        self,
+        state: PoolState,
+        index_mapping: np.ndarray,  # [num_reqs] batch_idx -> req_state_idx, host copy
+        num_computed: np.ndarray,  # [num_reqs] batch order, as the host counts
+        cu_num_tokens: np.ndarray,  # [num_reqs] int64 host copy: query_start_loc[1:]
+        num_scheduled: np.ndarray,  # [num_reqs]
+    ) -> dict[str, Any]:
+        """The BatchInputs fields the mode adds (none in step)."""
+        ...
+
+    def record(
+        self,
+        state: PoolState,
+        applied_steps: int,
+        req_ids: tuple[str, ...],  # [num_reqs] batch order
+        rows: np.ndarray,  # [num_reqs] batch_idx -> req_state_idx, as prepared
+        seq_lens: np.ndarray,  # [num_reqs] as prepared
+        drafts: tuple[np.ndarray, np.ndarray] | None,  # [num_reqs] drafts per row, [num_drafts] ids; None: none
+        sampled_token_ids: object,
+    ) -> None:
+        """record_sampled's effect, spec's errors in spec's order."""
+
+    def known_counts(self, state: PoolState) -> tuple[np.ndarray, np.ndarray]:
+        """([R] known tokens, [R] num_computed) as they truly are (what a snapshot shows)."""
+        ...
+
+
+class InStep:
+    def __init__(self, dev: DeviceState) -> None:
+        self.dev = dev
+
+    def before_apply(self, state: PoolState, applied_steps: int) -> None:
+        return
+
+    def plannable_in_bulk(self, state: PoolState, sched: SchedulerOutput) -> bool:
+        return True
+
+    def after_commit(self, plan: StepPlan) -> None:
+        return
+
+    def batch_fields(
+        self,
+        state: PoolState,
+        index_mapping: np.ndarray,
+        num_computed: np.ndarray,
+        cu_num_tokens: np.ndarray,
+        num_scheduled: np.ndarray,
+    ) -> dict[str, Any]:
+        return {}
+
+    def record(
+        self,
+        state: PoolState,
+        applied_steps: int,
+        req_ids: tuple[str, ...],
+        rows: np.ndarray,
+        seq_lens: np.ndarray,
+        drafts: tuple[np.ndarray, np.ndarray] | None,
+        sampled_token_ids: object,
+    ) -> None:
+        sampled = host_array(sampled_token_ids)  # the one sync: the ids must be validated
+        if sampled.size and sampled.dtype.kind not in "iu":
+            detail = f"dtype {sampled.dtype}: needs integer ids"
+            raise InconsistentSchedulerOutputError(None, "sampled_token_ids", detail)
+        prepared = (self.dev, state, req_ids, rows, seq_lens)
+        if sampled.ndim > 1 or drafts is not None:
+            record_accepted(*prepared, drafts, sampled)
+        else:
+            record_one_per_row(*prepared, sampled)
+
+    def known_counts(self, state: PoolState) -> tuple[np.ndarray, np.ndarray]:
+        return state.num_known_tokens, state.num_computed_tokens
+
+
+class Ahead:
+    """Async scheduling (spec/async_steps.py), the values checked and appended on the device."""
+
+    def __init__(self, config: WorkerConfig, dev: DeviceState, host_mode: bool, interpreted: bool) -> None:
+        self.dev = dev
+        self.state = AheadState(config, dev, host_mode, interpreted)
+
+    def before_apply(self, state: PoolState, applied_steps: int) -> None:
+        self.state.read_due(state, applied_steps)  # the copies of records a step old: the mirror learns verdicts
+
+    def plannable_in_bulk(self, state: PoolState, sched: SchedulerOutput) -> bool:
+        # spec's plan_step decides what the bulk path does not model: drafts after unverified ones (rule 5), and
+        # windows checked from the lowest start a verdict may give (rule 4)
+        return not (sched.scheduled_spec_decode_tokens or state.num_unverified_drafts.any())
+
+    def after_commit(self, plan: StepPlan) -> None:
+        replaced = plan.tables[0].rows[plan.tables[0].replaced]  # new and resumed requests' rows
+        self.state.commit(plan, plan.rows[~np.isin(plan.rows, replaced)])  # rule 2 on the device
+
+    def batch_fields(
+        self,
+        state: PoolState,
+        index_mapping: np.ndarray,
+        num_computed: np.ndarray,
+        cu_num_tokens: np.ndarray,
+        num_scheduled: np.ndarray,
+    ) -> dict[str, Any]:
+        query_start_loc = np.concatenate([[0], cu_num_tokens])  # [num_reqs + 1]
+        pending = pending_tokens(state.sampled_in[index_mapping], state.num_known_tokens[index_mapping],
+                                 num_computed, query_start_loc, num_scheduled)  # fmt: skip
+        indices, sources = (upload(a, self.dev.device) for a in pending)
+        return {"pending_token_indices": indices, "pending_prev_batch_idx": sources}
+
+    def record(
+        self,
+        state: PoolState,
+        applied_steps: int,
+        req_ids: tuple[str, ...],
+        rows: np.ndarray,
+        seq_lens: np.ndarray,
+        drafts: tuple[np.ndarray, np.ndarray] | None,
+        sampled_token_ids: object,
+    ) -> None:
+        """What the host can check without the values now, the rest on the device."""
+        sampled = sampled_token_ids if isinstance(sampled_token_ids, torch.Tensor) else None
+        if sampled is None:
+            sampled = torch.from_numpy(np.ascontiguousarray(np.asarray(sampled_token_ids)))
+        dtype = sampled.dtype
+        if sampled.numel() and (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool):
+            detail = f"dtype {str(dtype).removeprefix('torch.')}: needs integer ids"
+            raise InconsistentSchedulerOutputError(None, "sampled_token_ids", detail)
+        accepted_rows(np.empty(tuple(sampled.shape), np.int64), len(req_ids))  # its shape errors, as spec's
+        num_drafts, draft_ids = drafts or (np.zeros(rows.size, np.int64), np.zeros(0, np.int64))
+        takes = seq_lens == state.num_known_tokens[rows] + num_drafts  # [num_reqs] the step reached its last input
+        sampled = sampled.to(self.dev.device)
+        self.state.record(state, applied_steps, req_ids, rows, takes, num_drafts, draft_ids, sampled)
+
+    def known_counts(self, state: PoolState) -> tuple[np.ndarray, np.ndarray]:
+        """The host's counts are optimistic until read: ask the device (a sync)."""
+        return self.state.known_counts(), self.dev.num_computed.cpu().numpy()
+
+
+def step_mode(config: WorkerConfig, dev: DeviceState, host_mode: bool, interpreted: bool) -> StepMode:
+    return Ahead(config, dev, host_mode, interpreted) if config.async_scheduling else InStep(dev)
+
+
+def host_array(x: object) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu().numpy()
+    return np.asarray(x)
