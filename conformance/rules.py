@@ -311,6 +311,7 @@ SAMPLED_EDGES: dict[str, SampledEdge] = {
 }
 
 V, D, P = "validate.py", "drafts.py", "pool.py"
+G = "group_rules.py"
 C = "cross_attention.py"
 M, MAMBA_TESTS = "mamba.py", "conformance/test_mamba.py"
 R, MROPE = "mrope.py", "conformance/test_mrope.py"
@@ -422,24 +423,24 @@ RULES: tuple[Rule, ...] = (
          f"{ASYNC}::test_a_resumption_over_the_tokens_held_before_unread_drafts_runs",
          f"{ASYNC}::test_a_resumption_past_the_tokens_held_before_unread_drafts_is_refused",
          (f"{ASYNC}::test_a_resumption_past_the_tokens_held_before_unread_drafts_is_refused",)),
-    # checks 9-13 (spec/validate.py, per group)
-    Rule(V, "_check_block_ids", '"not a tuple, list', "block ids are integer ids",
+    # checks 9-13 (spec/group_rules.py per group, spec/validate.py across groups)
+    Rule(G, "check_range", '"not a tuple, list', "block ids are integer ids",
          EVERY_STEP, GENERATED, (MALFORMATIONS,)),
-    Rule(V, "_check_block_ids", "not in [0,", "block ids in [0, num_blocks)",
+    Rule(G, "check_range", "not in [0,", "block ids in [0, num_blocks)",
          "a block id num_blocks - 1", GENERATED, (EVERY_CLASS,)),
-    Rule(V, "_check_block_ids", "appears twice", "ids distinct among the live entries (released ones may repeat)",
+    Rule(G, "check_ids", "appears twice", "ids distinct among the live entries (released ones may repeat)",
          "an id released by the window, live again", GENERATED,
          (MALFORMATIONS, f"{PIPELINE}::test_a_block_the_window_released_may_come_back_to_the_same_request")),
     Rule(V, "_check_one_pool", "BlockIdError(s.req_id", "one block pool: an id held in one group at a time",
          "one block pool: an id a window released, held by another group", GENERATED,
          (EVERY_CLASS, "conformance/test_one_pool.py")),
-    Rule(V, "_check_block_ids", "null block in a group without", "the null block only in windowed groups",
+    Rule(G, "check_ids", "null block in a group without", "the null block only in windowed groups",
          "the null block in a windowed table", GENERATED, (EVERY_CLASS,)),
-    Rule(V, "_check_table_sizes", "blocks >", "at most max_blocks_per_req entries",
+    Rule(G, "check_size", "blocks >", "at most max_blocks_per_req entries",
          "a table of max_blocks_per_req entries", GENERATED, (EVERY_CLASS,)),
-    Rule(V, "_check_blocks_present", "needs logical block", "a block for every scheduled token",
+    Rule(G, "check_present", "MissingBlockError(s.req_id", "a block for every scheduled token",
          "a step writing its table's last entry", GENERATED, (EVERY_CLASS,)),
-    Rule(V, "_check_null_reads", "null block inside positions", "nothing read or written through the null block",
+    Rule(G, "check_not_null", "NullBlockError(s.req_id", "nothing read or written through the null block",
          "a null entry just before the first one read", GENERATED,
          (EVERY_CLASS, f"{BOUNDARIES}::test_a_null_placeholder_appended_by_a_continuing_request_is_never_written")),
     Rule(V, "_check_unique_slots", "DuplicateSlotError", "no two tokens of a step write one slot",
