@@ -20,7 +20,14 @@ import spec
 SPEC_DIR = Path(spec.__file__).resolve().parent
 # the files whose raises are acceptance rules
 SITE_FILES = (
-    "validate.py", "group_rules.py", "drafts.py", "pool.py", "mrope.py", "cross_attention.py", "mamba.py", "async_steps.py"
+    "validate.py",
+    "group_rules.py",
+    "drafts.py",
+    "pool.py",
+    "mrope.py",
+    "cross_attention.py",
+    "mamba.py",
+    "async_steps.py",
 )
 
 
