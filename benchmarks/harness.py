@@ -48,6 +48,14 @@ def record(
         benchmark.extra_info["reference"] = reference
 
 
+def record_fallbacks(benchmark: Any, pool: Any) -> None:
+    """The steps fast's bulk planner left to spec's plan_step, by reason (fast/fallback.py): a timed step that
+    fell back ran spec's Python walk, so a time is read with these beside it. Pools without a bulk path: none."""
+    fallbacks = getattr(pool, "fallbacks", None)
+    if fallbacks is not None:
+        benchmark.extra_info["fallbacks"] = {reason.name: count for reason, count in fallbacks.items()}
+
+
 def run_stateful(
     benchmark: Any, target: Callable[..., None], setup: Callable[[], tuple[Any, ...]], budget: float
 ) -> None:

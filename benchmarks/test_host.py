@@ -15,7 +15,7 @@ import pytest
 import spec
 from benchmarks import providers
 from benchmarks.gpu_probe import count_launches
-from benchmarks.harness import param, record, run_stateful
+from benchmarks.harness import param, record, record_fallbacks, run_stateful
 from benchmarks.reference import reference, started
 from benchmarks.workloads import HOST_WORKLOADS, StepStream, Workload
 from spec.batch import batch_order
@@ -61,6 +61,7 @@ def test_apply(benchmark: Any, bench_budget: float, workload: Workload, provider
 
     record(benchmark, "apply", workload, provider_name, nbytes=_apply_bytes(reference(workload)[1]))
     run_stateful(benchmark, target, setup, bench_budget)
+    record_fallbacks(benchmark, pool)
 
 
 @pytest.mark.parametrize(("workload", "provider_name"), _cases(providers.POOL_PROVIDERS))
@@ -130,6 +131,7 @@ def test_host_step(benchmark: Any, bench_budget: float, workload: Workload, prov
     nbytes = _apply_bytes(sched) + _batch_bytes(batch) + 8 * workload.num_reqs
     record(benchmark, "host_step", workload, provider_name, nbytes=nbytes)
     run_stateful(benchmark, target, lambda: (stream.next(),), bench_budget)
+    record_fallbacks(benchmark, pool)
 
 
 @pytest.mark.parametrize(("workload", "provider_name"), _cases(("fast",)))
@@ -179,5 +181,6 @@ def _interleaved(
     nbytes = _apply_bytes(sched) + _batch_bytes(batch) + 8 * workload.num_reqs
     record(benchmark, stage, workload, provider_name, nbytes=nbytes, reference=peer_name, what=what)
     run_stateful(benchmark, target, setup, bench_budget)
+    record_fallbacks(benchmark, fast_pool)
     if peer_times:
         benchmark.extra_info["reference_median"] = float(np.median(peer_times[1:] or peer_times))

@@ -6,7 +6,8 @@
 
 This file is the orchestration; each stage and mechanism has its own file:
 - apply: fast/validate.py's plan_bulk_step checks the output in compiled passes; what it does not vouch
-  for goes to spec's plan_step (which raises spec's error, or accepts). Either gives one spec.state.StepPlan,
+  for goes to spec's plan_step (which raises spec's error, or accepts), and `pool.fallbacks` counts each
+  such step by its reason (fast/fallback.py). Either gives one spec.state.StepPlan,
   committed by spec's PoolState.commit to the host mirror (fast.state.HostMirror), then, under Triton, to
   the device in one launch (fast/writes.py). fast/released.py keeps the validator's per-row cache.
 - prepare: the batch order on the host (fast/batch.py), then the arrays: fast/kernel_prepare.py (one
@@ -29,6 +30,7 @@ copies of index_mapping and seq_lens that record_sampled reads are the pool's ow
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from operator import itemgetter
 from typing import TypeVar
 
@@ -37,6 +39,7 @@ import torch
 
 from fast.batch import batch_order
 from fast.drafts import batch_drafts, draft_columns, draft_positions, sampler_tensors
+from fast.fallback import Fallback
 from fast.feature import Placement
 from fast.host_prepare import HostBatch
 from fast.kernel_prepare import prepare_on_device
@@ -72,6 +75,8 @@ class RequestStatePool:
         # the model kind's features (fast/feature.py): none for a plain decoder
         self.features = fast_features_for(config, Placement(self.dev, self.host_mode, self._interpret))
         self.released = ReleasedTails(config)  # the validator's per-row cache of released entries
+        # every apply the bulk planner handed to spec's plan_step, accepted or refused, by reason (fast/fallback.py)
+        self.fallbacks: Counter[Fallback] = Counter()
         # [num_blocks] int8 scratch of the one-block-pool check (fast/validate.py), zero between steps; a pool past
         # MAX_OWNER_MAP ids sorts instead (a map is 1 byte an id, most of it never touched)
         pooled = config.one_block_pool and len(config.kv_groups) > 1
@@ -91,13 +96,20 @@ class RequestStatePool:
     # ---- apply -------------------------------------------------------------------------------------
     def apply(self, sched: SchedulerOutput) -> None:
         self.mode.before_apply(self.state, self._applied_steps)
-        bulk = self.mode.plannable_in_bulk(self.state, sched)
-        plan = plan_bulk_step(self.state, sched, self.released.tails, self._block_owner) if bulk else None
-        if plan is None:
-            plan = plan_step(self.state, sched, self.features)  # spec's error, or accepts what the bulk path left
+        plan = self._plan_step(sched)
         self._commit(plan)
         self._applied_steps += 1
         self._applied, self._plan, self._prepared = sched, plan, None
+
+    def _plan_step(self, sched: SchedulerOutput) -> StepPlan:
+        """The bulk planner's plan; where it falls back, spec's plan_step's (its error, or it accepts), counted."""
+        planned = self.mode.bulk_fallback(self.state, sched) or plan_bulk_step(
+            self.state, sched, self.features, self.released.tails, self._block_owner
+        )
+        if isinstance(planned, StepPlan):
+            return planned
+        self.fallbacks[planned] += 1
+        return plan_step(self.state, sched, self.features)
 
     def _commit(self, plan: StepPlan) -> None:
         """spec's commit to the host mirror (in host mode, the device state itself), then the device in one launch."""

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from fast.async_steps import AheadState
+from fast.fallback import Fallback
 from fast.runtime import upload
 from fast.sampled import record_accepted, record_one_per_row
 from fast.state import DeviceState
@@ -27,8 +28,8 @@ class StepMode(Protocol):
     def before_apply(self, state: PoolState, applied_steps: int) -> None:
         """Before validation: what the host learns now of earlier records (a fault due now raises)."""
 
-    def plannable_in_bulk(self, state: PoolState, sched: SchedulerOutput) -> bool:
-        """The bulk validator (fast/validate.py) models the step; otherwise spec's plan_step decides it."""
+    def bulk_fallback(self, state: PoolState, sched: SchedulerOutput) -> Fallback | None:
+        """Why the bulk planner (fast/validate.py) cannot model the step in this mode; None: it can."""
         ...
 
     def after_commit(self, plan: StepPlan) -> None:
@@ -69,8 +70,8 @@ class InStep:
     def before_apply(self, state: PoolState, applied_steps: int) -> None:
         return
 
-    def plannable_in_bulk(self, state: PoolState, sched: SchedulerOutput) -> bool:
-        return True
+    def bulk_fallback(self, state: PoolState, sched: SchedulerOutput) -> Fallback | None:
+        return None
 
     def after_commit(self, plan: StepPlan) -> None:
         return
@@ -119,10 +120,12 @@ class Ahead:
     def before_apply(self, state: PoolState, applied_steps: int) -> None:
         self.state.read_due(state, applied_steps)  # the copies of records a step old: the mirror learns verdicts
 
-    def plannable_in_bulk(self, state: PoolState, sched: SchedulerOutput) -> bool:
+    def bulk_fallback(self, state: PoolState, sched: SchedulerOutput) -> Fallback | None:
         # spec's plan_step decides what the bulk path does not model: drafts after unverified ones (rule 5), and
         # windows checked from the lowest start a verdict may give (rule 4)
-        return not (sched.scheduled_spec_decode_tokens or state.num_unverified_drafts.any())
+        if sched.scheduled_spec_decode_tokens or state.num_unverified_drafts.any():
+            return Fallback.ASYNC_DRAFTS
+        return None
 
     def after_commit(self, plan: StepPlan) -> None:
         replaced = plan.tables[0].rows[plan.tables[0].replaced]  # new and resumed requests' rows

@@ -149,6 +149,10 @@ class CrossAttention(Feature):
         check_encoder_fields(new_requests)
 
     @classmethod
+    def fields_given(cls, new_requests: Sequence[NewRequest]) -> bool:
+        return any(r.encoder_len != 0 for r in new_requests)
+
+    @classmethod
     def check_request_lengths(cls, new_requests: Sequence[NewRequest], config: WorkerConfig) -> None:
         for new in new_requests:
             check_encoder_len(new, config)

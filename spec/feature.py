@@ -45,6 +45,9 @@ class Feature:
     """One model kind's part of the pipeline. A subclass overrides the hooks it needs; the rest do nothing."""
 
     name: ClassVar[str]  # the key of its part in StepPlan.features
+    # A bulk planner (fast/validate.py) may plan the decoder's part of a step and then call `plan`: the feature's
+    # checks are all on the fields of new requests (left to plan_step when given) and it owns no group
+    plans_in_bulk: ClassVar[bool] = False
 
     # ---- asked of every feature the project knows, configured or not ----------------------------------------
     @classmethod
@@ -59,6 +62,12 @@ class Feature:
     @classmethod
     def check_request_lengths(cls, new_requests: Sequence[NewRequest], config: WorkerConfig) -> None:
         """Check 7 (ModelLengthError): the lengths the feature's fields give, within the model's."""
+
+    @classmethod
+    def fields_given(cls, new_requests: Sequence[NewRequest]) -> bool:
+        """Some new request sets one of the feature's fields (away from its default, which every request may
+        leave): a planner that reads no feature fields leaves such a step to plan_step."""
+        return False
 
     # ---- a configured feature -----------------------------------------------------------------------------
     def __init__(self, config: WorkerConfig) -> None:

@@ -187,6 +187,7 @@ class MRope(Feature):
     """The feature (spec/feature.py): new requests bring tables, rows keep them, prepare cuts each step's columns."""
 
     name = "mrope"
+    plans_in_bulk = True
 
     @classmethod
     def configured(cls, config: WorkerConfig) -> bool:
@@ -196,6 +197,13 @@ class MRope(Feature):
     def check_request_fields(cls, new_requests: Sequence[NewRequest], config: WorkerConfig) -> None:
         for new in new_requests:
             check_mrope_inputs(new, config)
+
+    @classmethod
+    def fields_given(cls, new_requests: Sequence[NewRequest]) -> bool:
+        return any(
+            r.mrope_positions is not None or type(r.mrope_position_delta) is not int or r.mrope_position_delta
+            for r in new_requests
+        )
 
     def __init__(self, config: WorkerConfig, rows: MRopeStore | None = None) -> None:
         """`rows`: where the tables are kept (a backend may keep them on its device); default: MRopeRows."""

@@ -128,7 +128,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "fast-one-pool-unchecked",
         "9 BlockIdError: with one block pool, an id held in one group at a time (fast's bulk check)",
-        "fast/validate.py",
+        "fast/bulk_checks.py",
         "elif owner[block] != group + 1:",
         "elif owner[block] == 127:",
         (ONE_POOL, INVALID),
@@ -136,7 +136,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "fast-released-entries-not-rechecked",
         "9 BlockIdError: a released duplicate read again is refused",
-        "fast/validate.py",
+        "fast/bulk_checks.py",
         "if window > 0 and (released_tails.shape[0] == 0 or released_tails[row] >= lo):",
         "if False:",
         (PIPELINE,),
@@ -145,14 +145,14 @@ MUTANTS: tuple[Mutant, ...] = (
         "fast-shared-block-slots-unchecked",
         "13 DuplicateSlotError: no two tokens of a step write one slot",
         "fast/validate.py",
-        "if _has_repeats(written, -1):  # a block written by two requests: plan_step checks per slot",
+        "if has_repeats(written, -1):  # a block written by two requests: plan_step checks per slot",
         "if False:",
         (TARGETED, INVALID),
     ),
     Mutant(
         "fast-missing-block-off-by-one",
         "11 MissingBlockError: a block for every scheduled token",
-        "fast/validate.py",
+        "fast/bulk_checks.py",
         "if count + added[i] > width or last_block >= count + added[i]:",
         "if count + added[i] > width or last_block > count + added[i]:",
         (INVALID,),
@@ -160,7 +160,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "fast-unknown-token-off-by-one",
         "8 UnknownTokenError: every input token known",
-        "fast/validate.py",
+        "fast/bulk_checks.py",
         "if num_computed[i] < 0 or last[i] >= num_known[rows[i]] + k:",
         "if num_computed[i] < 0 or last[i] > num_known[rows[i]] + k:",
         (INVALID,),
@@ -448,9 +448,9 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "columns-resumed-ids-of-any-container",
         "check 1: the columns' resumed_req_ids is a set (an empty tuple reads as no resumptions)",
-        "fast/validate.py",
-        "if resumed_ids or type(resumed_ids) not in (frozenset, set) or type(cached.req_ids) not in _SEQUENCES:",
-        "if resumed_ids or type(cached.req_ids) not in _SEQUENCES:",
+        "fast/bulk_read.py",
+        "if resumed_ids or type(resumed_ids) not in (frozenset, set) or type(cached.req_ids) not in SEQUENCES:",
+        "if resumed_ids or type(cached.req_ids) not in SEQUENCES:",
         (f"{INVALID}::test_every_malformation_is_provoked_and_survived",),
     ),
     Mutant(

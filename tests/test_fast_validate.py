@@ -6,8 +6,10 @@ decode-step breakages below (invalid); spec.validate.plan_step is the judge of e
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import random
+from collections import Counter
 from dataclasses import replace
 from typing import Any
 
@@ -23,6 +25,7 @@ from conformance.driving import sampled_array
 from conformance.mutations import break_output
 from conformance.scenario import random_scenario
 from conformance.scheduler import ReferenceScheduler
+from fast.fallback import Fallback
 from fast.runtime import interpret
 from fast.validate import plan_bulk_step
 from spec.errors import (
@@ -144,7 +147,7 @@ def _agree(seed: int) -> None:
             try:
                 plan_step(state, candidate, spec_pool.features)
             except ScheduleError:
-                assert plan_bulk_step(state, candidate) is None, candidate
+                assert isinstance(plan_bulk_step(state, candidate, spec_pool.features), Fallback), candidate
         spec_pool.apply(out)
         fast_pool.apply(out)
         _assert_mirror_equal(fast_pool, spec_pool)
@@ -178,7 +181,7 @@ def test_bulk_path_takes_the_common_steps() -> None:
             out = scheduler.schedule()
             cached_only = not out.new_requests and not out.finished_req_ids and out.cached_requests
             if not any(c.resumed for c in out.cached_requests):
-                taken = plan_bulk_step(pool.state, out) is not None
+                taken = isinstance(plan_bulk_step(pool.state, out, pool.features), StepPlan)
                 accepted += taken and bool(cached_only)
                 mixed += taken and bool(out.new_requests) and bool(out.finished_req_ids or out.cached_requests)
             pool.apply(out)
@@ -269,7 +272,7 @@ def test_mixed_step_takes_the_bulk_path(kernels: bool, monkeypatch: pytest.Monke
     with interpret(kernels):  # interpreted: the device state is separate and written by fast.writes
         spec_pool, fast_pool = _started_pools(config, first)
         plan = plan_bulk_step(fast_pool.state, step)
-        assert plan is not None
+        assert isinstance(plan, StepPlan), plan
         assert (plan.freed_rows.tolist(), plan.new_rows.tolist()) == ([0], [0, 2, 3])
 
         def no_fallback(*args: object) -> None:
@@ -356,14 +359,81 @@ def test_mixed_step_errors_match_spec(case: str) -> None:
     _assert_mirror_equal(fast_pool, spec_pool)
 
 
+# where each of _mixed_cases leaves the bulk planner (fast/fallback.py): the check of its that fails first
+_MIXED_FALLBACKS = {
+    "finished and scheduled": Fallback.ROWS,
+    "new listed twice": Fallback.REQUEST_SET,  # five requests listed, four scheduled
+    "new not scheduled": Fallback.REQUEST_SET,
+    "new missing a group": Fallback.NEW_REQUESTS,
+    "new negative computed": Fallback.NEW_REQUESTS,
+    "unknown finished": Fallback.ROWS,
+    "new holds a row": Fallback.ROWS,
+    "pool full": Fallback.ROWS,
+    "token budget": Fallback.BUDGET,
+    "prompt token past vocab": Fallback.NEW_REQUESTS,
+    "float prompt token": Fallback.NEW_REQUESTS,
+    "negative prompt token": Fallback.NEW_REQUESTS,
+    "prompt past max_model_len": Fallback.NEW_REQUESTS,
+    "more scheduled than the prompt": Fallback.NEW_REQUESTS,
+    "block out of range": Fallback.NEW_REQUESTS,
+    "block twice in a table": Fallback.NEW_REQUESTS,
+    "null without window": Fallback.NEW_REQUESTS,
+    "overflow": Fallback.NEW_REQUESTS,
+    "missing block": Fallback.NEW_REQUESTS,
+    "null read in window": Fallback.NEW_REQUESTS,
+    "slot of a continuing request": Fallback.SHARED_BLOCK,
+    "slot of another new request": Fallback.SHARED_BLOCK,
+}
+
+
+@pytest.mark.parametrize("case", sorted(_mixed_cases()))
+def test_each_fallback_is_named_and_counted(case: str) -> None:
+    """The bulk planner names why it leaves a step to plan_step, and the pool counts it, refused or not."""
+    _, bad = _mixed_cases()[case]
+    config, first, _ = _two_decoding_requests()
+    with interpret(False):
+        _, fast_pool = _started_pools(config, first)
+        want = _MIXED_FALLBACKS.get(case)
+        planned = plan_bulk_step(fast_pool.state, bad)
+        assert planned is want if want else isinstance(planned, StepPlan), planned
+        with contextlib.suppress(ScheduleError):
+            fast_pool.apply(bad)
+    assert fast_pool.fallbacks == (Counter({want: 1}) if want else Counter())
+    assert want is None or want.failed_check  # each is a check the bulk path makes, not a shape it leaves
+
+
+def test_fallbacks_of_shapes_the_bulk_planner_leaves() -> None:
+    """A resumed request, a feature's fields, a feature's group, and async drafts: named, counted, then spec's."""
+    config, first, _ = _two_decoding_requests()
+    step = _mixed_step()
+    resumed = replace(step, cached_requests=(CachedRequest("B", 4, ((4,), (6,)), resumed=True),))
+    encoder = _edit_new(step, "C", encoder_len=3)  # on a model without a cross group: check 1 refuses it
+    mrope = _edit_new(step, "C", mrope_position_delta=2)  # on a model without M-RoPE: refused too
+    with interpret(False):
+        for sched, want in ((resumed, Fallback.CACHED_REQUESTS), (encoder, Fallback.FEATURE_FIELDS),
+                            (mrope, Fallback.FEATURE_FIELDS)):  # fmt: skip
+            _, fast_pool = _started_pools(config, first)
+            assert plan_bulk_step(fast_pool.state, sched, fast_pool.features) is want
+            with contextlib.suppress(ScheduleError):
+                fast_pool.apply(sched)
+            assert fast_pool.fallbacks == Counter({want: 1}) and not want.failed_check
+    mamba = WorkerConfig(4, 16, 32, 50, (KVCacheGroup(4, 16), KVCacheGroup(4, 16, kind="mamba")))
+    with interpret(False):
+        pool = fast.RequestStatePool(mamba)
+        new = NewRequest("A", (1, 2), ((1,), (2,)))
+        with contextlib.suppress(ScheduleError):
+            pool.apply(SchedulerOutput(new_requests=(new,), num_scheduled_tokens={"A": 2}))
+    assert pool.fallbacks == Counter({Fallback.FEATURE: 1})
+
+
 def _apply_to_both(spec_pool: Any, fast_pool: Any, sched: Any, error: Any) -> None:
     """Valid (error None): the bulk path takes it and both apply it. Else both raise spec's exact error."""
     if error is None:
-        assert plan_bulk_step(fast_pool.state, sched) is not None  # the bulk path, not the fallback
+        assert isinstance(plan_bulk_step(fast_pool.state, sched), StepPlan)  # the bulk path, not the fallback
         fast_pool.apply(sched)
         spec_pool.apply(sched)
         return
-    assert plan_bulk_step(fast_pool.state, sched) is None
+    assert isinstance(plan_bulk_step(fast_pool.state, sched), Fallback)
     with pytest.raises(error) as want:
         spec_pool.apply(sched)
     with pytest.raises(error) as got:
@@ -403,8 +473,8 @@ def test_drafting_steps_take_the_bulk_path_with_plan_steps_plan() -> None:
             appends_null = any(0 in ids for c in out.cached_requests for ids in (c.new_block_ids or ()))
             by_design = appends_null or any(r.mrope_positions is not None for r in out.new_requests)  # M-RoPE tables
             if out.num_scheduled_tokens and not by_design and not any(c.resumed for c in out.cached_requests):
-                plan = plan_bulk_step(pool.state, out)
-                assert plan is not None, out
+                plan = plan_bulk_step(pool.state, out, pool.features)
+                assert isinstance(plan, StepPlan), (plan, out)
                 _assert_plans_equal(plan, plan_step(pool.state, out, pool.features))
                 drafting += plan.num_drafts is not None
             pool.apply(out)

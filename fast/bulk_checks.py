@@ -1,0 +1,332 @@
+"""The bulk planner's checks (fast/validate.py): spec's checks 7 to 13 as Numba-compiled passes over all requests.
+
+Each returns False or None at the first failure without naming it: spec's plan_step, which the pool runs
+then, raises the exact error. The invariants they rely on are listed in fast/validate.py's docstring.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from fast.bulk_read import EMPTY, joined_ids
+from spec.state import PoolState, StepPlan, TableWrites
+from spec.types import NULL_BLOCK_ID, NewRequest
+
+
+@njit(cache=True, nogil=True)
+def check_progress(  # pragma: no cover - compiled; tested through plan_bulk_step against plan_step
+    rows: np.ndarray,  # [n] int64 req_state_idx
+    num_computed: np.ndarray,  # [n] int64 as the scheduler says
+    num_scheduled: np.ndarray,  # [n] int64
+    num_drafts: np.ndarray,  # [n] int64 drafts of each request, or empty: nobody drafts
+    max_model_len: int,
+    num_known: np.ndarray,  # [R] int64 known tokens per row
+    last: np.ndarray,  # [n] int64 out: last position each writes
+) -> bool:
+    """Checks 1, 7 and 8 of the cached requests: num_computed >= 0, every position written a known token
+    (which bounds it by max_model_len) or one of the request's drafts, which follow its last known token."""
+    for i in range(rows.shape[0]):
+        last[i] = num_computed[i] + num_scheduled[i] - 1
+        k = num_drafts[i] if num_drafts.shape[0] else 0
+        if num_computed[i] < 0 or last[i] >= num_known[rows[i]] + k:
+            return False
+        if k and (last[i] != num_known[rows[i]] + k - 1 or last[i] >= max_model_len or num_scheduled[i] < 1 + k):
+            return False
+    return True
+
+
+NO_NEW: tuple[np.ndarray, np.ndarray, np.ndarray, list[TableWrites], list[np.ndarray]] = (
+    EMPTY,
+    EMPTY,
+    np.zeros(0, np.int32),
+    [],
+    [],
+)
+
+
+def check_new_requests(
+    state: PoolState,
+    new: tuple[NewRequest, ...] | list[NewRequest],  # [k]
+    num_scheduled: np.ndarray,  # [k] >= 1
+    num_drafts: np.ndarray | None,  # [k] drafts of each, or None: nobody drafts
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[TableWrites], list[np.ndarray]] | None:
+    """Checks 6-12 for the new requests (and 1 and 8 for their drafts). Returns their num_computed_tokens [k],
+    prompt lengths [k], prompt tokens [sum] int32, per group their tables (as TableWrites, rows left to the
+    caller) and the physical blocks their tokens write."""
+    config = state.config
+    k, num_groups = len(new), len(config.kv_groups)
+    fields = [(r.prompt_token_ids, r.block_ids, r.num_computed_tokens) for r in new]
+    prompts, tables, computed_in = zip(*fields, strict=True)
+    if set(map(type, computed_in)) != {int} or set(map(type, tables)) - {tuple, list}:
+        return None
+    joined = joined_ids(prompts, "i", long=True)  # int32 storage: past int32 is past any vocabulary
+    if joined is None:
+        return None
+    prompt_lens, tokens = joined
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= config.vocab_size):
+        return None
+    if prompt_lens.max() > config.max_model_len or list(map(len, tables)).count(num_groups) != k:
+        return None
+    num_computed = np.array(computed_in, np.int64)
+    last = num_computed + num_scheduled - 1  # [k] last position written
+    if num_drafts is None:
+        known_end = prompt_lens  # [k] past the last input token each may read
+    else:  # a drafting request's step ends at its last draft, and holds its last known token first
+        known_end = prompt_lens + num_drafts
+        drafting = num_drafts > 0
+        misplaced = (last != known_end - 1) | (last >= config.max_model_len) | (num_scheduled < 1 + num_drafts)
+        if (drafting & misplaced).any():
+            return None
+    if num_computed.min() < 0 or (last >= known_end).any():
+        return None
+    writes, written = [], []
+    for g, group in enumerate(config.kv_groups):
+        joined = joined_ids([table[g] for table in tables], "q")
+        if joined is None:
+            return None
+        lengths, ids = joined
+        out = np.empty(_blocks_written(num_computed, last, group.block_size), np.int64)
+        ok = _check_new_tables(
+            lengths, ids, num_computed, last, group.num_blocks, config.max_blocks_per_req(g), group.block_size,
+            group.sliding_window or 0, out,
+        )  # fmt: skip
+        if not ok:
+            return None
+        written.append(out)
+        writes.append(TableWrites(EMPTY, np.zeros(k, np.int64), lengths, ids, np.ones(k, bool)))
+    return num_computed, prompt_lens, tokens, writes, written
+
+
+@njit(cache=True, nogil=True)
+def _check_new_tables(  # pragma: no cover - compiled; tested through plan_bulk_step against plan_step
+    lengths: np.ndarray,  # [k] int64 entries of each new request's table
+    ids: np.ndarray,  # [sum(lengths)] int64 the tables, request after request
+    num_computed: np.ndarray,  # [k] int64
+    last: np.ndarray,  # [k] int64 last position each writes
+    num_blocks: int,
+    max_blocks: int,  # max_blocks_per_req of the group
+    block_size: int,
+    window: int,  # sliding window, 0 for none
+    written: np.ndarray,  # [w] int64 out: the physical block of every (request, block) the step writes
+) -> bool:
+    """Checks 9-12 for one group's new tables, one pass; False at the first failure (plan_step names it)."""
+    start, w = 0, 0
+    for i in range(lengths.shape[0]):
+        table = ids[start : start + lengths[i]]
+        start += lengths[i]
+        if table.shape[0] > max_blocks or last[i] // block_size >= table.shape[0]:
+            return False  # too many blocks, or a missing one
+        for block in table:
+            if block < 0 or block >= num_blocks or (block == 0 and window == 0):
+                return False  # out of range, or the null block outside a sliding-window group
+        read_from = 0 if window == 0 else max(0, num_computed[i] - window + 1) // block_size
+        for e in range(read_from, last[i] // block_size + 1):
+            if table[e] == 0:
+                return False  # a token would read or write through the null block
+        if has_repeats(table[read_from:], NULL_BLOCK_ID):
+            return False  # a block twice among the entries not released by the window
+        for e in range(num_computed[i] // block_size, last[i] // block_size + 1):
+            written[w] = table[e]
+            w += 1
+    return True
+
+
+def check_group(
+    state: PoolState,
+    g: int,
+    rows: np.ndarray,  # [n] req_state_idx of the cached requests
+    num_computed: np.ndarray,  # [n]
+    last: np.ndarray,  # [n] last position each writes
+    appended: tuple[np.ndarray, np.ndarray, np.ndarray],  # request index [a], lengths [a], ids
+    released_tails: np.ndarray | None,  # [R] last released entry of every row, or None
+) -> tuple[TableWrites, np.ndarray] | None:
+    """Checks 9-12 for group g's cached requests: their appends, and the physical blocks their tokens write."""
+    group = state.config.kv_groups[g]
+    app_req, lengths, ids = appended
+    app_counts = np.empty(app_req.size, np.int64)  # [a] filled entries of each appending row before the step
+    written = np.empty(_blocks_written(num_computed, last, group.block_size), np.int64)
+    ok = _check_cached_group(
+        state.block_tables[g], state.num_blocks[g], rows, num_computed, last, app_req, lengths, ids,
+        min(group.num_blocks, 2**31), group.block_size, group.sliding_window or 0,
+        _NO_TAILS if released_tails is None else released_tails, app_counts, written,
+    )  # fmt: skip
+    if not ok:
+        return None
+    return TableWrites(rows[app_req], app_counts, lengths, ids, np.zeros(app_req.size, bool)), written
+
+
+_NO_TAILS = np.zeros(0, np.int64)
+
+
+@njit(cache=True, nogil=True)
+def _check_cached_group(  # pragma: no cover - compiled; tested through plan_bulk_step against plan_step
+    table: np.ndarray,  # [R, width] int32, the group's committed table
+    num_blocks: np.ndarray,  # [R] int64 filled entries per row
+    rows: np.ndarray,  # [n] int64 req_state_idx
+    num_computed: np.ndarray,  # [n] int64
+    last: np.ndarray,  # [n] int64 last position each request writes
+    app_req: np.ndarray,  # [a] int64 request index of each appending request
+    lengths: np.ndarray,  # [a] int64 ids each appends (>= 1)
+    ids: np.ndarray,  # [sum(lengths)] int64 appended ids, request after request
+    id_limit: int,  # appended ids must be < this (num_blocks, and int32 for the tables)
+    block_size: int,
+    window: int,  # sliding window, 0 for none
+    released_tails: np.ndarray,  # [R] last released entry per row (last_released_entries), or empty: scan
+    app_counts: np.ndarray,  # [a] int64 out: each appending row's filled entries before the step
+    written: np.ndarray,  # [w] int64 out: the physical block of every (request, block) the step writes
+) -> bool:
+    """Checks 9-12 for one group's cached requests, one pass; False at the first failure (plan_step names it)."""
+    n, width = rows.shape[0], table.shape[1]
+    start_of = np.full(n, -1, np.int64)  # where request i's appended ids begin in `ids` (-1: it appends none)
+    added = np.zeros(n, np.int64)
+    at = 0
+    for k in range(app_req.shape[0]):
+        start_of[app_req[k]] = at
+        added[app_req[k]] = lengths[k]
+        app_counts[k] = num_blocks[rows[app_req[k]]]
+        at += lengths[k]
+    w = 0
+    for i in range(n):
+        row = rows[i]
+        count = num_blocks[row]
+        first, last_block = num_computed[i] // block_size, last[i] // block_size
+        if count + added[i] > width or last_block >= count + added[i]:
+            return False  # too many blocks for the table, or a missing block
+        lo = 0 if window == 0 else max(0, num_computed[i] - window + 1) // block_size  # first live entry
+        for j in range(added[i]):  # appended ids: in range, new among the live entries, not repeated
+            block = ids[start_of[i] + j]
+            if block <= 0 or block >= id_limit:
+                return False  # out of range, or a null placeholder (plan_step decides those)
+            for e in range(lo, count):
+                if table[row, e] == block:
+                    return False
+            for e in range(j):
+                if ids[start_of[i] + e] == block:
+                    return False
+        # a released entry (null, or an id handed to the row again) at or past lo: the committed live
+        # entries may read the null block or repeat an id, so look at them all (appended ids are >= 1)
+        if window > 0 and (released_tails.shape[0] == 0 or released_tails[row] >= lo):
+            for e in range(lo, min(last_block, count - 1) + 1):
+                if table[row, e] == 0:
+                    return False
+            if has_repeats(table[row, lo:count], NULL_BLOCK_ID):
+                return False
+        for block_index in range(first, last_block + 1):
+            if block_index < count:
+                written[w] = table[row, block_index]
+            else:
+                written[w] = ids[start_of[i] + block_index - count]
+            w += 1
+    return True
+
+
+@njit(cache=True, nogil=True)
+def _blocks_written(num_computed: np.ndarray, last: np.ndarray, block_size: int) -> int:  # pragma: no cover
+    """(request, block) pairs a step's tokens write: each request writes blocks first .. last // block_size."""
+    total = 0
+    for i in range(last.shape[0]):
+        total += last[i] // block_size - num_computed[i] // block_size + 1
+    return total
+
+
+def merge(new_rows: np.ndarray, new: TableWrites, cached: TableWrites) -> TableWrites:
+    """The new requests' table writes (rows filled in) followed by the cached requests' appends."""
+    return TableWrites(
+        rows=np.concatenate([new_rows, cached.rows]),
+        starts=np.concatenate([new.starts, cached.starts]),
+        lengths=np.concatenate([new.lengths, cached.lengths]),
+        ids=np.concatenate([new.ids, cached.ids]),
+        replaced=np.concatenate([new.replaced, cached.replaced]),
+    )
+
+
+@njit(cache=True, nogil=True)
+def has_repeats(values: np.ndarray, may_repeat: int) -> bool:  # pragma: no cover - compiled
+    """Some value other than `may_repeat` appears twice among `values` [k]."""
+    ordered = np.sort(values)
+    for i in range(1, ordered.shape[0]):  # noqa: SIM110 - a loop Numba compiles (no generators)
+        if ordered[i] == ordered[i - 1] and ordered[i] != may_repeat:
+            return True
+    return False
+
+
+def held_in_two_groups(state: PoolState, plan: StepPlan, owner: np.ndarray | None) -> bool:
+    """With one block pool: some id held by a scheduled request in one group is held in another group too.
+
+    `owner` [num_blocks] int8, all zero: a scratch map id -> 1 + the group holding it, returned zeroed (a
+    step marks its held ids and clears them again, so it costs the held entries, not the pool's size);
+    None (a pool too large for one): the ids are sorted instead.
+    """
+    scratch = owner if owner is not None else np.zeros(0, np.int8)
+    touched = np.empty(sum(plan.rows.shape[0] * t.shape[1] for t in state.block_tables), np.int64)
+    count, clash, num_groups = 0, False, len(state.config.kv_groups)
+    for g, group in enumerate(state.config.kv_groups):
+        w = plan.tables[g]
+        count, clash = _mark_held(
+            state.block_tables[g], state.num_blocks[g], plan.rows, plan.num_computed, w.rows, w.starts, w.lengths,
+            w.ids, w.replaced, group.block_size, group.sliding_window or 0, g, num_groups, scratch, touched, count,
+        )  # fmt: skip
+        if clash:
+            break
+    if owner is not None:
+        _unmark(owner, touched, count)
+        return clash
+    ids, groups = np.divmod(touched[:count], num_groups)  # without a scratch map: (id, group) pairs
+    order = np.lexsort((groups, ids))  # by id, then group: an id held in two groups has two groups side by side
+    ids, groups = ids[order], groups[order]
+    return bool(((ids[1:] == ids[:-1]) & (groups[1:] != groups[:-1])).any())
+
+
+@njit(cache=True, nogil=True)
+def _unmark(owner: np.ndarray, touched: np.ndarray, count: int) -> None:  # pragma: no cover - compiled
+    """Zero the `count` ids of `touched` in `owner` again (_mark_held's marks)."""
+    for i in range(count):
+        owner[touched[i]] = 0
+
+
+@njit(cache=True, nogil=True)
+def _mark_held(  # pragma: no cover - compiled; tested through plan_bulk_step against plan_step
+    table: np.ndarray,  # [R, width] int32, the group's committed table
+    num_blocks: np.ndarray,  # [R] int64 filled entries per row
+    rows: np.ndarray,  # [n] int64 scheduler order -> req_state_idx
+    num_computed: np.ndarray,  # [n] int64 scheduler order
+    write_rows: np.ndarray,  # [k] int64 req_state_idx of each table write
+    write_starts: np.ndarray,  # [k] int64 first entry written
+    write_lengths: np.ndarray,  # [k] int64 ids written
+    write_ids: np.ndarray,  # [sum(write_lengths)] int64
+    replaced: np.ndarray,  # [k] bool: the write replaces the whole table
+    block_size: int,
+    window: int,  # sliding window, 0 for none
+    group: int,
+    num_groups: int,
+    owner: np.ndarray,  # [num_blocks] int8 id -> 1 + its holding group, 0: none yet; or empty: record pairs
+    touched: np.ndarray,  # [n * sum of widths] int64 out: ids marked (with owner), else id * num_groups + group
+    count: int,  # entries of `touched` already used
+) -> tuple[int, bool]:
+    """Group `group`'s held ids after the step (non-null, from each request's first live entry on): marked in
+    `owner`, (count, True) at the first id another group holds; without `owner`, recorded as pairs."""
+    write_of = np.full(table.shape[0], -1, np.int64)  # req_state_idx -> its write, or -1
+    offset = np.zeros(write_rows.shape[0] + 1, np.int64)
+    for k in range(write_rows.shape[0]):
+        write_of[write_rows[k]] = k
+        offset[k + 1] = offset[k] + write_lengths[k]
+    for i in range(rows.shape[0]):
+        row, k = rows[i], write_of[rows[i]]
+        kept = num_blocks[row] if k < 0 else (0 if replaced[k] else write_starts[k])
+        total = kept + (0 if k < 0 else write_lengths[k])
+        lo = 0 if window == 0 else max(0, num_computed[i] - window + 1) // block_size
+        for e in range(lo, total):
+            block = table[row, e] if e < kept else write_ids[offset[k] + e - kept]
+            if block == NULL_BLOCK_ID:
+                continue
+            if owner.shape[0] == 0:
+                touched[count] = block * num_groups + group
+                count += 1
+            elif owner[block] == 0:
+                owner[block] = group + 1
+                touched[count] = block
+                count += 1
+            elif owner[block] != group + 1:
+                return count, True
+    return count, False

@@ -1,0 +1,181 @@
+"""The bulk planner's reading of a scheduler output (fast/validate.py): each Python object read once.
+
+The cached requests' fields in one pass (or not at all when they come as spec.types.CachedRequestColumns),
+each prompt converted once (array('i'), which also refuses floats and values past int32 as spec's
+`operator.index` reading does), the drafts in one pass. A reader returns None for anything it does not
+read in bulk or that fails the check it makes on the way (the caller names the fallback); spec's plan_step
+then decides the step.
+"""
+
+from __future__ import annotations
+
+from array import array
+from itertools import chain, islice
+from typing import Any
+
+import numpy as np
+
+from spec.state import PoolState, ranges
+from spec.types import CachedRequest, CachedRequestColumns
+
+SEQUENCES = (tuple, list)
+EMPTY = np.zeros(0, np.int64)
+NO_TOKENS = np.zeros(0, np.int32)
+
+
+def scheduler_index(keys: list[str]) -> dict[str, int]:
+    """req_id -> its index in the scheduler order."""
+    return {r: i for i, r in enumerate(keys)}
+
+
+def read_drafts(
+    drafts: Any,  # sched.scheduled_spec_decode_tokens
+    keys: list[str],  # [n] scheduler order, distinct str
+    vocab_size: int,
+) -> tuple[np.ndarray | None, np.ndarray] | None:
+    """Checks 1 and 6 of the drafts: (num_drafts [n] scheduler order or None when nobody drafts, draft ids int32)."""
+    if type(drafts) is not dict:
+        return None
+    if not drafts:
+        return None, NO_TOKENS
+    draft_keys = list(drafts)
+    joined = joined_ids(list(drafts.values()), "i")
+    if joined is None:
+        return None
+    lengths, ids = joined
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+        return None
+    if not ids.size:  # every request lists no drafts: a step without drafts
+        return (None, NO_TOKENS) if set(draft_keys) <= set(keys) else None
+    num_drafts = np.zeros(len(keys), np.int64)  # [n] scheduler order
+    if draft_keys == keys:  # every scheduled request drafts, in the scheduler's order
+        num_drafts[:] = lengths
+        return num_drafts, ids
+    index = scheduler_index(keys)
+    try:
+        at = np.fromiter(map(index.__getitem__, draft_keys), np.int64, len(draft_keys))  # not scheduled: KeyError
+    except (KeyError, TypeError):
+        return None
+    num_drafts[at] = lengths
+    if (at[1:] > at[:-1]).all():  # listed in the scheduler's order: the ids are too
+        return num_drafts, ids
+    order = np.argsort(at)  # the listed requests in the scheduler's order
+    starts = np.cumsum(lengths) - lengths
+    which, within = ranges(lengths[order])
+    return num_drafts, ids[starts[order][which] + within]
+
+
+def read_cached(cached: Any) -> tuple[list[str], Any, list[Any] | None] | None:
+    """(req_ids, num_computed_tokens, new_block_ids or None) of the cached requests, or None if any is resumed."""
+    if type(cached) is CachedRequestColumns:
+        resumed_ids = cached.resumed_req_ids  # spec's to judge unless an empty set (an empty tuple is refused)
+        if resumed_ids or type(resumed_ids) not in (frozenset, set) or type(cached.req_ids) not in SEQUENCES:
+            return None
+        req_ids, computed, blocks = list(cached.req_ids), cached.num_computed_tokens, cached.new_block_ids
+        if type(computed) in SEQUENCES:
+            if set(map(type, computed)) - {int}:
+                return None
+        elif type(computed) is not np.ndarray or computed.dtype.kind not in "iu":
+            return None
+        if len(computed) != len(req_ids) or (blocks is not None and len(blocks) != len(req_ids)):
+            return None
+        return req_ids, computed, None if blocks is None else list(blocks)
+    if type(cached) not in SEQUENCES:
+        return None
+    if not cached:
+        return [], EMPTY, None
+    if set(map(type, cached)) != {CachedRequest}:
+        return None
+    fields = [(c.req_id, c.num_computed_tokens, c.new_block_ids, c.resumed) for c in cached]
+    ids, computed, blocks, resumed = zip(*fields, strict=True)
+    if set(map(id, resumed)) != {id(False)} or set(map(type, computed)) != {int}:  # False itself, not 0
+        return None
+    return list(ids), computed, list(blocks)
+
+
+def rows_of_new(
+    state: PoolState, finished: frozenset[str] | set[str], new_ids: list[str], scheduled: list[str]
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """Checks 1-4 for finished and new requests: (freed rows ascending, the row of each new request)."""
+    row_of = state.row_of
+    if finished and (not finished.isdisjoint(scheduled) or not all(type(r) is str and r in row_of for r in finished)):
+        return None
+    if any(r in row_of for r in new_ids):
+        return None
+    freed = sorted(row_of[r] for r in finished)
+    freed_set = set(freed)
+    # the lowest rows free once the finished requests leave, in the order the new requests come
+    free = (row for row, req_id in enumerate(state.req_ids) if req_id is None or row in freed_set)
+    new_rows = list(islice(free, len(new_ids)))
+    if len(new_rows) != len(new_ids):
+        return None
+    return np.array(freed, np.int64), np.array(new_rows, np.int64)
+
+
+def _ids(values: Any, typecode: str) -> np.ndarray | None:
+    """spec.validate.as_ids without a per-element Python loop: array() takes exactly what operator.index takes.
+
+    typecode "i" gives int32 (token ids: past int32 is past any vocabulary), "q" int64 (block ids). An
+    array whose values do not fit is left to plan_step, which names the bad value.
+    """
+    dtype = np.int32 if typecode == "i" else np.int64
+    if type(values) in SEQUENCES:
+        try:
+            return np.frombuffer(array(typecode, values), dtype)
+        except (TypeError, OverflowError):
+            return None
+    if type(values) is not np.ndarray or values.ndim != 1:
+        return None
+    if not values.size:
+        return np.zeros(0, dtype)
+    info = np.iinfo(dtype)
+    if values.dtype.kind not in "iu" or values.min() < info.min or values.max() > info.max:
+        return None
+    return values.astype(dtype, copy=False)
+
+
+def appended_ids(
+    new_blocks: list[Any] | None,  # [n] per request: per group ids, or None
+    n: int,
+    num_groups: int,
+) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]] | None:
+    """Per group: (request index [a], lengths [a] >= 1, ids [sum]) of the cached requests appending to it."""
+    if new_blocks is None or new_blocks.count(None) == n:
+        return [(EMPTY, EMPTY, EMPTY)] * num_groups
+    appending = [i for i, ids in enumerate(new_blocks) if ids is not None]
+    per_request = [new_blocks[i] for i in appending]
+    if set(map(type, per_request)) - {tuple, list} or list(map(len, per_request)).count(num_groups) != len(appending):
+        return None
+    index = np.array(appending, np.int64)
+    out = []
+    for entries in zip(*per_request, strict=True):  # one tuple of per-request ids per group
+        joined = joined_ids(entries, "q")
+        if joined is None:
+            return None
+        lengths, ids = joined
+        has = lengths > 0
+        out.append((index[has], lengths[has], ids))
+    return out
+
+
+def joined_ids(
+    entries: tuple[Any, ...] | list[Any], typecode: str, long: bool = False
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """Several requests' ids end to end: (lengths [k], ids [sum]).
+
+    Short sequences (appended block ids) convert in one pass over all of them; `long` ones (prompts) one
+    array() each, which reads a list or tuple several times faster than through an iterator.
+    """
+    if not long and not set(map(type, entries)) - {tuple, list}:
+        lengths = np.fromiter(map(len, entries), np.int64, len(entries))
+        dtype = np.int32 if typecode == "i" else np.int64
+        try:
+            ids = np.frombuffer(array(typecode, chain.from_iterable(entries)), dtype)
+        except (TypeError, OverflowError):
+            return None
+        return lengths, ids
+    converted = [_ids(e, typecode) for e in entries]
+    if any(c is None for c in converted):
+        return None
+    lengths = np.fromiter(map(len, converted), np.int64, len(converted))  # type: ignore[arg-type]
+    return lengths, np.concatenate(converted)  # type: ignore[arg-type]
