@@ -46,10 +46,3 @@ def flatten(  # pragma: no cover - compiled; tested through its results
         positions[pad] = 0
         input_ids[pad] = 0
     return t
-
-
-def ranges(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """For ranges of the given lengths laid end to end: (range index, index within range) per element."""
-    which = np.repeat(np.arange(lengths.shape[0]), lengths)
-    within = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-    return which, within
