@@ -47,9 +47,7 @@ class DeviceState:
         self.total_width = int(widths.sum())
         # [3, G] int64, the kernels' per-group constants, row r at group_meta_ptr + r * G:
         # block_size | max_blocks_per_req (width) | table_offset (the widths of the groups before g)
-        self.group_meta = torch.from_numpy(
-            np.stack([self.block_sizes_np, widths, offsets])
-        ).to(device)
+        self.group_meta = torch.from_numpy(np.stack([self.block_sizes_np, widths, offsets])).to(device)
         self.token_capacity = 0  # token columns held: reserve_tokens grows it
         if mirror is None:
             self.token_ids_np: np.ndarray | None = None
