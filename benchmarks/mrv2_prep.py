@@ -118,8 +118,8 @@ def live(w: LiveWorkload) -> Iterator[tuple[Any, Any, list[Any], dict[int, tuple
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from conformance.vllm_attach import attach, model_runner_of
-    from conformance.vllm_attach.compat import let_vllm_scan_modules_beside_numba
+    from shadow.vllm_attach import attach, model_runner_of
+    from shadow.vllm_attach.compat import let_vllm_scan_modules_beside_numba
 
     args: dict[str, Any] = dict(
         model=str(MODELS / w.model), load_format="dummy", skip_tokenizer_init=True, enforce_eager=True,
@@ -212,7 +212,7 @@ class FastReplay:
 
     def __init__(self, config: Any, records: list[Any]) -> None:
         import spec
-        from conformance.shadow_inputs import HeldTokens, PoolView
+        from shadow.inputs import HeldTokens, PoolView
         from spec.interop.vllm import from_vllm
 
         self.config, self.records = config, records
@@ -248,7 +248,7 @@ class FastReplay:
 
     @staticmethod
     def _rows(record: Any, batch: Any) -> np.ndarray:
-        from conformance.shadow_inputs import engine_rows
+        from shadow.inputs import engine_rows
 
         return engine_rows({r: t for r, t in record.sampled.items() if t}, batch.req_ids)
 

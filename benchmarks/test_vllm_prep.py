@@ -48,10 +48,10 @@ import torch
 import fast
 import spec
 from benchmarks.live_workloads import MODELS, LiveWorkload, five_workloads
-from conformance.shadow import ShadowChecker
-from conformance.shadow_inputs import engine_rows
-from conformance.vllm_attach import StepRecord, attach, worker_config_from_vllm
-from conformance.vllm_attach.compat import let_vllm_scan_modules_beside_numba
+from shadow.checker import ShadowChecker
+from shadow.inputs import engine_rows
+from shadow.vllm_attach import StepRecord, attach, worker_config_from_vllm
+from shadow.vllm_attach.compat import let_vllm_scan_modules_beside_numba
 from spec.interop.vllm import from_vllm
 from spec.types import CachedRequestColumns, SchedulerOutput
 

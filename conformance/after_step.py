@@ -45,9 +45,7 @@ def _request(
                             drafts=drafts, may_draft=may_draft, counted_ahead=counted_ahead)  # fmt: skip
 
 
-def scheduled_requests(
-    out: SchedulerOutput, config: WorkerConfig, snapshot: PoolSnapshot
-) -> list[GeneratorRequest]:
+def scheduled_requests(out: SchedulerOutput, config: WorkerConfig, snapshot: PoolSnapshot) -> list[GeneratorRequest]:
     """Every scheduled request of `out`: the new ones in order, then the cached ones."""
     rows = {row.req_id: row for row in snapshot}
     groups = range(len(config.kv_groups))

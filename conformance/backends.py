@@ -76,7 +76,7 @@ class BackendHandle:
         return self.module.RequestStatePool(config)
 
     def batch_to_numpy(self, batch: BatchInputs) -> dict[str, Any]:
-        """Every field of a BatchInputs in NumPy/Python form, ready for exact comparison (conformance/compare.py)."""
+        """Every field of a BatchInputs in NumPy/Python form, ready for exact comparison (shadow/compare.py)."""
         out: dict[str, Any] = {name: self.to_numpy(getattr(batch, name)) for name in BATCH_ARRAY_FIELDS}
         out["req_ids"] = tuple(batch.req_ids)
         out["block_tables"] = tuple(self.to_numpy(t) for t in batch.block_tables)

@@ -22,10 +22,10 @@ import numpy as np
 
 import spec
 from conformance.backends import BackendHandle, cross_attention_of
-from conformance.compare import batch_differences
 from conformance.scenario import AttentionSpec, Scenario
 from conformance.scheduler import ReferenceScheduler
 from conformance.tolerance import assert_attention_close, spec_in_dtype
+from shadow.compare import batch_differences
 from spec.encoder_attention import cross_attention as spec_cross_attention
 from spec.errors import ScheduleError
 from spec.types import PLACEHOLDER_TOKEN_ID, BatchInputs, PoolSnapshot, SchedulerOutput, WorkerConfig

@@ -26,8 +26,8 @@ from typing import Any
 import numpy as np
 
 from conformance.backends import BackendHandle
-from conformance.compare import copy_batch, differing_fields
 from conformance.differential import MismatchError
+from shadow.compare import copy_batch, differing_fields
 from spec.errors import InconsistentSchedulerOutputError, ScheduleError, UnknownRequestError
 from spec.protocol import StatePool
 from spec.types import BatchInputs, PoolSnapshot, SchedulerOutput

@@ -23,9 +23,7 @@ settings.register_profile(
     "ci", max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
 )
 settings.register_profile("dev", max_examples=100, deadline=None)
-settings.register_profile(
-    "thorough", max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow]
-)
+settings.register_profile("thorough", max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -13,7 +13,7 @@ import pytest
 
 from conformance.backends import BackendHandle
 from conformance.driving import step
-from conformance.shadow import ShadowChecker, ShadowMismatchError
+from shadow.checker import ShadowChecker, ShadowMismatchError
 from spec import (
     PAD_SLOT_ID,
     CachedRequest,

@@ -16,11 +16,11 @@ import pytest
 
 import spec
 from conformance.backends import BackendHandle
-from conformance.compare import batch_differences
 from conformance.differential import DifferentialRun, MismatchError, drive
 from conformance.driving import draft_fields, sampled_array, step
 from conformance.mutations_drafts import DRAFT_BREAKERS, break_drafts
 from conformance.scenario import random_scenario
+from shadow.compare import batch_differences
 from spec import CachedRequest, KVCacheGroup, NewRequest, SchedulerOutput, WorkerConfig
 from spec.protocol import StatePool
 

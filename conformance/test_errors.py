@@ -53,23 +53,40 @@ def _cached(req_id: str, computed: int, n: int, blocks: tuple[tuple[int, ...], .
 
 BAD: dict[str, tuple[type[spec.ScheduleError], str, Callable[[], SchedulerOutput]]] = {
     "scheduled but not listed": (
-        spec.InconsistentSchedulerOutputError, "a", lambda: SchedulerOutput(num_scheduled_tokens={"a": 1})),
+        spec.InconsistentSchedulerOutputError,
+        "a",
+        lambda: SchedulerOutput(num_scheduled_tokens={"a": 1}),
+    ),
     "new and finished": (
-        spec.InconsistentSchedulerOutputError, "c",
-        lambda: SchedulerOutput(new_requests=(NewRequest("c", (1,), ((7,), (8,))),), num_scheduled_tokens={"c": 1},
-                                finished_req_ids=frozenset({"c"}))),
+        spec.InconsistentSchedulerOutputError,
+        "c",
+        lambda: SchedulerOutput(
+            new_requests=(NewRequest("c", (1,), ((7,), (8,))),),
+            num_scheduled_tokens={"c": 1},
+            finished_req_ids=frozenset({"c"}),
+        ),
+    ),
     "zero-length query row": (spec.InconsistentSchedulerOutputError, "a", lambda: _cached("a", 6, 0)),
     "block ids for the wrong number of groups": (
-        spec.InconsistentSchedulerOutputError, "c", lambda: _new("c", (1,), ((7,),), 1)),
+        spec.InconsistentSchedulerOutputError,
+        "c",
+        lambda: _new("c", (1,), ((7,),), 1),
+    ),
     "unknown cached request": (spec.UnknownRequestError, "zz", lambda: _cached("zz", 0, 1)),
     "unknown finished request": (
-        spec.UnknownRequestError, "zz", lambda: SchedulerOutput(finished_req_ids=frozenset({"zz"}))),
+        spec.UnknownRequestError,
+        "zz",
+        lambda: SchedulerOutput(finished_req_ids=frozenset({"zz"})),
+    ),
     "duplicate request": (spec.DuplicateRequestError, "a", lambda: _new("a", (1,), ((7,), (8,)), 1)),
     "pool full": (
-        spec.PoolFullError, "e",
+        spec.PoolFullError,
+        "e",
         lambda: SchedulerOutput(
             new_requests=tuple(NewRequest(r, (1,), ((7 + i,), (10 + i,))) for i, r in enumerate("cde")),
-            num_scheduled_tokens={"c": 1, "d": 1, "e": 1})),
+            num_scheduled_tokens={"c": 1, "d": 1, "e": 1},
+        ),
+    ),
     "token budget": (spec.TokenBudgetError, "c", lambda: _new("c", tuple(range(20)), ((7, 8, 9, 10, 11), ()), 17)),
     "token id out of vocabulary": (spec.TokenIdError, "c", lambda: _new("c", (1, 100), ((7,), (8,)), 2)),
     "prompt longer than max_model_len": (spec.ModelLengthError, "c", lambda: _new("c", (1,) * 33, ((7,), (8,)), 1)),
@@ -80,13 +97,15 @@ BAD: dict[str, tuple[type[spec.ScheduleError], str, Callable[[], SchedulerOutput
     "null block without a window": (spec.BlockIdError, "c", lambda: _new("c", (1,), ((0,), (8,)), 1)),
     "block table overflow": (spec.BlockTableOverflowError, "a", lambda: _cached("a", 6, 1, (tuple(range(7, 14)), ()))),
     "missing block for a scheduled token": (spec.MissingBlockError, "b", lambda: _cached("b", 4, 1)),
-    "null block inside the window": (
-        spec.NullBlockError, "c", lambda: _new("c", tuple(range(8)), ((7, 8), (0, 9)), 8)),
+    "null block inside the window": (spec.NullBlockError, "c", lambda: _new("c", tuple(range(8)), ((7, 8), (0, 9)), 8)),
     "two tokens write one slot": (
-        spec.DuplicateSlotError, "d",
+        spec.DuplicateSlotError,
+        "d",
         lambda: SchedulerOutput(
             new_requests=(NewRequest("c", (1, 2, 3, 4), ((7,), (8,))), NewRequest("d", (1, 2, 3, 4), ((7,), (9,)))),
-            num_scheduled_tokens={"c": 4, "d": 4})),
+            num_scheduled_tokens={"c": 4, "d": 4},
+        ),
+    ),
 }
 
 

@@ -18,11 +18,11 @@ import pytest
 
 import spec
 from conformance.backends import BackendHandle
-from conformance.compare import batch_differences
 from conformance.differential import Pair
 from conformance.malformed import CHECK_ONE
 from conformance.mutations import MALFORMATIONS
 from conformance.probes import EDITS
+from shadow.compare import batch_differences
 from spec import CachedRequest, KVCacheGroup, NewRequest, SchedulerOutput, WorkerConfig
 from spec.errors import InconsistentSchedulerOutputError, ScheduleError, TokenIdError
 from spec.types import PAD_SLOT_ID, BatchInputs, CachedRequestColumns
@@ -129,14 +129,10 @@ def test_vocabulary_larger_than_int32_ids_is_refused(vocab_size: int) -> None:
 def test_prompt_id_past_the_vocabulary_is_refused_whole(backend: BackendHandle, bad_id: int) -> None:
     config = replace(CONFIG, vocab_size=2**31)
     pair = _pair(backend, config)
-    out = AnyOutput(
-        new_requests=(AnyNew("c", (1, bad_id, 3), ((9,), (10,))),), num_scheduled_tokens={"c": 3}
-    )
+    out = AnyOutput(new_requests=(AnyNew("c", (1, bad_id, 3), ((9,), (10,))),), num_scheduled_tokens={"c": 3})
     _refused(pair, lambda pool: pool.apply(out), TokenIdError, "c", "prompt_token_ids")
     # the largest id of the vocabulary is stored and read back exactly
-    top = AnyOutput(
-        new_requests=(AnyNew("c", (1, 2**31 - 1, 3), ((9,), (10,))),), num_scheduled_tokens={"c": 3}
-    )
+    top = AnyOutput(new_requests=(AnyNew("c", (1, 2**31 - 1, 3), ((9,), (10,))),), num_scheduled_tokens={"c": 3})
     pair.run_step(top, None, _ones)
     c = next(row for row in pair.cand.pool.snapshot() if row.req_id == "c")
     assert c.token_ids[:3] == (1, 2**31 - 1, 3)

@@ -23,10 +23,10 @@ import pytest
 import spec
 import spec.interop
 from conformance.backends import INTEROP_FUNCTIONS, BackendHandle
-from conformance.compare import array_difference
 from conformance.scenario import AttentionSpec, Scenario, random_scenario
 from conformance.scheduler import ReferenceScheduler, SchedulerKnobs, SchedulerStats, make_workload
 from conformance.tolerance import assert_attention_close, spec_in_dtype
+from shadow.compare import array_difference
 from spec.interop import V2RowPolicy, host_counts
 from spec.types import BatchInputs, KVCacheGroup, SchedulerOutput, WorkerConfig
 

@@ -16,10 +16,10 @@ import pytest
 
 import spec
 from conformance.backends import BackendHandle
-from conformance.compare import batch_differences
 from conformance.differential import DifferentialRun, drive
 from conformance.scenario import random_scenario
 from conformance.scheduler import ReferenceScheduler, SchedulerKnobs, make_workload
+from shadow.compare import batch_differences
 from spec.drafts import pad_accepted
 from spec.errors import (
     BlockIdError,

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from conformance.backends import BackendHandle
-from conformance.compare import batch_differences, copy_batch
 from conformance.driving import run, step
 from conformance.examples import A_PROMPT, B_SAMPLED, worked_example
 from conformance.tolerance import assert_attention_close
+from shadow.compare import batch_differences, copy_batch
 from spec import (
     NULL_BLOCK_ID,
     PAD_SLOT_ID,
@@ -71,8 +71,9 @@ def test_several_groups_with_different_block_sizes(backend: BackendHandle) -> No
     prompt = tuple(range(10, 30))  # 20 tokens
     tables = ((3, 9), (7, 2, 11, 5), tuple(range(100, 120)))
     pool = backend.make_pool(config)
-    batch = step(backend, pool, SchedulerOutput(new_requests=(NewRequest("x", prompt, tables),),
-                                                num_scheduled_tokens={"x": 20}))
+    batch = step(
+        backend, pool, SchedulerOutput(new_requests=(NewRequest("x", prompt, tables),), num_scheduled_tokens={"x": 20})
+    )
     for g, group in enumerate(groups):
         expected = _expected_slots(list(tables[g]), range(20), group.block_size)
         np.testing.assert_array_equal(batch["slot_mappings"][g], expected)
@@ -192,8 +193,11 @@ def test_prefix_cache_hit_starts_at_num_computed_tokens(backend: BackendHandle) 
     pool = backend.make_pool(config)
     prompt = tuple(range(40, 50))
     shared = (1, 2)  # two full blocks computed by an earlier request, shared
-    step(backend, pool, SchedulerOutput(new_requests=(NewRequest("p", prompt, ((*shared, 3),)),),
-                                        num_scheduled_tokens={"p": 10}))
+    step(
+        backend,
+        pool,
+        SchedulerOutput(new_requests=(NewRequest("p", prompt, ((*shared, 3),)),), num_scheduled_tokens={"p": 10}),
+    )
     hit = NewRequest("q", prompt, ((*shared, 4),), num_computed_tokens=8)
     batch = step(backend, pool, SchedulerOutput(new_requests=(hit,), num_scheduled_tokens={"q": 2}))
     np.testing.assert_array_equal(batch["positions"], [8, 9])
@@ -211,8 +215,9 @@ def test_resume_after_preemption_replaces_a_longer_table(backend: BackendHandle)
         SchedulerOutput(cached_requests=(CachedRequest("r", 10),), num_scheduled_tokens={"r": 1}),
         # preempted for a step (not scheduled), then resumed: recompute all 11 known tokens on new blocks
         SchedulerOutput(),
-        SchedulerOutput(cached_requests=(CachedRequest("r", 0, ((9, 8, 10),), resumed=True),),
-                        num_scheduled_tokens={"r": 11}),
+        SchedulerOutput(
+            cached_requests=(CachedRequest("r", 0, ((9, 8, 10),), resumed=True),), num_scheduled_tokens={"r": 11}
+        ),
     ]
     batches = run(backend, pool, steps)
     last = batches[-1]
@@ -227,8 +232,9 @@ def test_resume_after_preemption_replaces_a_longer_table(backend: BackendHandle)
 def test_mid_prefill_rows_discard_their_sample(backend: BackendHandle) -> None:
     config = WorkerConfig(2, 32, 64, 100, (KVCacheGroup(4, 32),))
     pool = backend.make_pool(config)
-    sched = SchedulerOutput(new_requests=(NewRequest("m", tuple(range(12)), ((1, 2, 3),)),),
-                            num_scheduled_tokens={"m": 5})
+    sched = SchedulerOutput(
+        new_requests=(NewRequest("m", tuple(range(12)), ((1, 2, 3),)),), num_scheduled_tokens={"m": 5}
+    )
     step(backend, pool, sched, sampled={"m": 99})
     assert pool.snapshot()[0].token_ids == tuple(range(12))
 
@@ -267,18 +273,34 @@ def _attention_after_writes_matches_dense(
     k_cache, v_cache = backend.asarray(empty_cache.copy()), backend.asarray(empty_cache.copy())
 
     def forward(batch: dict, starts: dict[str, int]) -> np.ndarray:
-        tok = {r: slice(starts[r], starts[r] + int(n)) for r, n in zip(batch["req_ids"], batch["num_scheduled_tokens"],
-                                                                       strict=True)}
+        tok = {
+            r: slice(starts[r], starts[r] + int(n))
+            for r, n in zip(batch["req_ids"], batch["num_scheduled_tokens"], strict=True)
+        }
         order = batch["req_ids"]
         k = np.concatenate([keys[r][tok[r]] for r in order])
         v = np.concatenate([values[r][tok[r]] for r in order])
         q = np.concatenate([queries[r][tok[r]] for r in order])
-        backend.module.write_kv(k_cache, v_cache, backend.asarray(k), backend.asarray(v),
-                                backend.asarray(batch["slot_mappings"][0]), **scale_args)
-        return backend.to_numpy(backend.module.paged_attention(
-            backend.asarray(q), k_cache, v_cache, backend.asarray(batch["block_tables"][0]),
-            backend.asarray(batch["seq_lens"]), backend.asarray(batch["query_start_loc"]), scale=dim**-0.5,
-            **scale_args))
+        backend.module.write_kv(
+            k_cache,
+            v_cache,
+            backend.asarray(k),
+            backend.asarray(v),
+            backend.asarray(batch["slot_mappings"][0]),
+            **scale_args,
+        )
+        return backend.to_numpy(
+            backend.module.paged_attention(
+                backend.asarray(q),
+                k_cache,
+                v_cache,
+                backend.asarray(batch["block_tables"][0]),
+                backend.asarray(batch["seq_lens"]),
+                backend.asarray(batch["query_start_loc"]),
+                scale=dim**-0.5,
+                **scale_args,
+            )
+        )
 
     # step 1: all of p, the first 8 of d; step 2: d's last token (a decode) and nothing else
     b1 = step(backend, pool, SchedulerOutput(new_requests=news, num_scheduled_tokens={"d": 8, "p": 7}))

@@ -72,7 +72,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "shadow-padding-checked-one-late",
         "padding: a padded token writes no KV (PAD_SLOT_ID)",
-        "conformance/shadow_compare.py",
+        "shadow/compare_steps.py",
         'padding = a[name][total:] if kind == "slot_mapping" else np.zeros(0)',
         'padding = a[name][total + 1 :] if kind == "slot_mapping" else np.zeros(0)',
         (BOUNDARIES,),

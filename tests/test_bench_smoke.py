@@ -25,8 +25,8 @@ from benchmarks.baselines.python_lists import PythonListPool
 from benchmarks.providers import numpy_slot_mapping, python_slot_mapping
 from benchmarks.workloads import StepStream, Workload
 from conformance.backends import BackendHandle
-from conformance.compare import batch_differences
 from conformance.examples import worked_example
+from shadow.compare import batch_differences
 from spec.types import CachedRequest, KVCacheGroup, NewRequest, SchedulerOutput, WorkerConfig
 
 BASELINES = {"numpy-vectorised": NumpyVectorisedPool, "python-lists": PythonListPool}
@@ -135,9 +135,7 @@ def test_dense_sdpa_matches_spec_attention() -> None:
 def _fake_results(path: Path) -> None:
     """A pytest-benchmark JSON with hand-picked medians, in the shape the suites write."""
 
-    def bench(
-        stage: str, workload: str, num_reqs: int, provider: str, median: float, **extra: Any
-    ) -> dict[str, Any]:
+    def bench(stage: str, workload: str, num_reqs: int, provider: str, median: float, **extra: Any) -> dict[str, Any]:
         info = {"stage": stage, "workload": workload, "kind": "decode", "provider": provider, "num_reqs": num_reqs,
                 "num_tokens": num_reqs, "num_groups": 1, "bytes": 1000, "flops": 0, **extra}  # fmt: skip
         return {"group": f"{stage}/{workload}", "name": f"test_{stage}[{workload}-{provider}]",
@@ -181,8 +179,17 @@ def test_a_stage_the_renderer_does_not_know_is_rendered_as_recorded(tmp_path: Pa
     _fake_results(results)
     data = json.loads(results.read_text())
     for provider, median in (("spec", 9e-3), ("numpy-vectorised", 3e-3)):
-        info = {"stage": "draft_step", "workload": "decode-8", "kind": "decode", "provider": provider, "num_reqs": 8,
-                "num_tokens": 8, "num_groups": 1, "what": "a step with draft tokens", "reference": "numpy-vectorised"}
+        info = {
+            "stage": "draft_step",
+            "workload": "decode-8",
+            "kind": "decode",
+            "provider": provider,
+            "num_reqs": 8,
+            "num_tokens": 8,
+            "num_groups": 1,
+            "what": "a step with draft tokens",
+            "reference": "numpy-vectorised",
+        }
         data["benchmarks"].append({"extra_info": info, "stats": {"median": median, "rounds": 5}})  # fmt: skip
     results.write_text(json.dumps(data))
     page = tmp_path / "performance.md"

@@ -31,8 +31,9 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conformance/pytest_p
 
 
 GROUPS = (KVCacheGroup(block_size=4, num_blocks=64), KVCacheGroup(block_size=4, num_blocks=64, sliding_window=5))
-HAND_CONFIG = WorkerConfig(max_num_reqs=4, max_model_len=64, max_num_batched_tokens=32, vocab_size=2048,
-                           kv_groups=GROUPS)
+HAND_CONFIG = WorkerConfig(
+    max_num_reqs=4, max_model_len=64, max_num_batched_tokens=32, vocab_size=2048, kv_groups=GROUPS
+)
 PREFIX = (7, 300, 1999, 42, 5, 5, 810, 64)  # two full blocks, shared by "a" and "b"
 A_PROMPT = (*PREFIX, 11, 12)
 B_PROMPT = (*PREFIX, 901, 902, 903)
@@ -42,19 +43,47 @@ def hand_steps() -> list[tuple[SchedulerOutput, int | None]]:
     """Chunked prefill, padding, a prefix-cache hit sharing blocks in both groups (the window group with a
     null block for positions out of its window), preemption with recompute into a replaced table."""
     return [
-        (SchedulerOutput(new_requests=(NewRequest("a", A_PROMPT, ((1, 2, 3), (11, 12, 13))),),
-                         num_scheduled_tokens={"a": 6}), 8),
+        (
+            SchedulerOutput(
+                new_requests=(NewRequest("a", A_PROMPT, ((1, 2, 3), (11, 12, 13))),), num_scheduled_tokens={"a": 6}
+            ),
+            8,
+        ),
         (SchedulerOutput(cached_requests=(CachedRequest("a", 6),), num_scheduled_tokens={"a": 4}), None),
-        (SchedulerOutput(new_requests=(NewRequest("b", B_PROMPT, ((1, 2, 4), (0, 12, 14)), num_computed_tokens=8),),
-                         cached_requests=(CachedRequest("a", 10),), num_scheduled_tokens={"b": 3, "a": 1}), 8),
+        (
+            SchedulerOutput(
+                new_requests=(NewRequest("b", B_PROMPT, ((1, 2, 4), (0, 12, 14)), num_computed_tokens=8),),
+                cached_requests=(CachedRequest("a", 10),),
+                num_scheduled_tokens={"b": 3, "a": 1},
+            ),
+            8,
+        ),
         (SchedulerOutput(cached_requests=(CachedRequest("b", 11),), num_scheduled_tokens={"b": 1}), None),
-        (SchedulerOutput(cached_requests=(CachedRequest("a", 0, ((5, 6, 7), (15, 16, 17)), resumed=True),
-                                          CachedRequest("b", 12, ((8,), (18,)))),
-                         num_scheduled_tokens={"a": 12, "b": 1}), 16),
-        (SchedulerOutput(cached_requests=(CachedRequest("a", 12, ((9,), (19,))), CachedRequest("b", 13)),
-                         num_scheduled_tokens={"a": 1, "b": 1}), 4),
-        (SchedulerOutput(cached_requests=(CachedRequest("b", 14),), finished_req_ids=frozenset({"a"}),
-                         num_scheduled_tokens={"b": 1}), None),
+        (
+            SchedulerOutput(
+                cached_requests=(
+                    CachedRequest("a", 0, ((5, 6, 7), (15, 16, 17)), resumed=True),
+                    CachedRequest("b", 12, ((8,), (18,))),
+                ),
+                num_scheduled_tokens={"a": 12, "b": 1},
+            ),
+            16,
+        ),
+        (
+            SchedulerOutput(
+                cached_requests=(CachedRequest("a", 12, ((9,), (19,))), CachedRequest("b", 13)),
+                num_scheduled_tokens={"a": 1, "b": 1},
+            ),
+            4,
+        ),
+        (
+            SchedulerOutput(
+                cached_requests=(CachedRequest("b", 14),),
+                finished_req_ids=frozenset({"a"}),
+                num_scheduled_tokens={"b": 1},
+            ),
+            None,
+        ),
     ]
 
 
@@ -102,7 +131,10 @@ def test_dense_check_catches_a_wrong_position() -> None:
 
 
 SCHED_CONFIG = WorkerConfig(
-    max_num_reqs=6, max_model_len=48, max_num_batched_tokens=32, vocab_size=2048,
+    max_num_reqs=6,
+    max_model_len=48,
+    max_num_batched_tokens=32,
+    vocab_size=2048,
     kv_groups=(KVCacheGroup(block_size=4, num_blocks=24), KVCacheGroup(block_size=4, num_blocks=24, sliding_window=6)),
 )
 SCHED_MODEL = ModelConfig(vocab_size=2048, hidden_size=32, intermediate_size=64, head_dim=8)
@@ -113,8 +145,16 @@ SCHED_KNOBS = SchedulerKnobs(max_chunk=8, pad_buckets=(8, 16, 32))
 def test_reference_scheduler_run_matches_dense(backend: BackendHandle) -> None:
     """16 requests with shared prefixes through a pool too small for them all: every token of every request
     equals the dense recompute, and the run really chunked, padded, shared prefixes and preempted."""
-    workload = make_workload(0, SCHED_CONFIG, num_requests=16, max_arrival_step=4, num_prefixes=2,
-                             shared_prefix_prob=0.7, max_prompt_len=24, max_new_tokens=10)
+    workload = make_workload(
+        0,
+        SCHED_CONFIG,
+        num_requests=16,
+        max_arrival_step=4,
+        num_prefixes=2,
+        shared_prefix_prob=0.7,
+        max_prompt_len=24,
+        max_new_tokens=10,
+    )
     scheduler = ReferenceScheduler(SCHED_CONFIG, workload, knobs=SCHED_KNOBS, seed=0)
     engine = Engine(backend, SCHED_CONFIG, SCHED_MODEL)
     records: list[RequestRecord] = []
@@ -145,8 +185,22 @@ def test_reference_scheduler_run_matches_dense(backend: BackendHandle) -> None:
 @pytest.mark.not_on_backends("fast-interpret", reason="interpreter: a whole simulated workload is too long")
 def test_simulate_command_verifies_and_plots(backend: BackendHandle, tmp_path: Path) -> None:
     plot = tmp_path / "run.png"
-    result = CliRunner().invoke(app, ["simulate", "--backend", backend.name, "--requests", "12", "--seed", "1",
-                                      "--verify-every", "2", "--plot", str(plot)])
+    result = CliRunner().invoke(
+        app,
+        [
+            "simulate",
+            "--backend",
+            backend.name,
+            "--requests",
+            "12",
+            "--seed",
+            "1",
+            "--verify-every",
+            "2",
+            "--plot",
+            str(plot),
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert "requests finished" in result.output and "all matched" in result.output
     assert plot.stat().st_size > 0
@@ -154,10 +208,14 @@ def test_simulate_command_verifies_and_plots(backend: BackendHandle, tmp_path: P
 
 def test_verifier_flags_a_backend_that_drifts_from_spec() -> None:
     """Control: a backend whose attention output is 1e-4 (relative) off fails step verification."""
-    drifting = BackendHandle("drifting", SimpleNamespace(
-        RequestStatePool=spec.RequestStatePool, write_kv=spec.write_kv,
-        paged_attention=lambda *args, **kwargs: spec.paged_attention(*args, **kwargs) * np.float32(1.0001),
-    ))
+    drifting = BackendHandle(
+        "drifting",
+        SimpleNamespace(
+            RequestStatePool=spec.RequestStatePool,
+            write_kv=spec.write_kv,
+            paged_attention=lambda *args, **kwargs: spec.paged_attention(*args, **kwargs) * np.float32(1.0001),
+        ),
+    )
     workload = make_workload(0, SCHED_CONFIG, num_requests=4, max_arrival_step=1, max_prompt_len=12, max_new_tokens=3)
     engine = Engine(drifting, SCHED_CONFIG, SCHED_MODEL)
     verifier = SpecVerifier(engine, every=1)
@@ -190,11 +248,23 @@ def test_verifier_names_the_batch_field_that_differs_from_spec() -> None:
 def test_speculative_decoding_generates_the_plain_greedy_tokens(backend: BackendHandle, drafter: str) -> None:
     """Drafts verified greedily: after every step each request's tokens are a prefix of what the plain run
     generates, at the end they are equal, and every logits row kept matches the dense recompute."""
-    workload = make_workload(5, SCHED_CONFIG, num_requests=10, max_arrival_step=3, num_prefixes=2,
-                             max_prompt_len=16, max_new_tokens=20, stop_token_prob=0.0)
+    workload = make_workload(
+        5,
+        SCHED_CONFIG,
+        num_requests=10,
+        max_arrival_step=3,
+        num_prefixes=2,
+        max_prompt_len=16,
+        max_new_tokens=20,
+        stop_token_prob=0.0,
+    )
     if drafter == "n-gram":  # prompts that repeat themselves, so that the lookup finds something to propose
-        workload = Workload(tuple(dataclasses.replace(r, prompt_token_ids=r.prompt_token_ids[:4] * 4,
-                                                      max_new_tokens=12) for r in workload.requests))
+        workload = Workload(
+            tuple(
+                dataclasses.replace(r, prompt_token_ids=r.prompt_token_ids[:4] * 4, max_new_tokens=12)
+                for r in workload.requests
+            )
+        )
     plain, plain_steps = plain_greedy_run(backend, SCHED_CONFIG, workload, SCHED_KNOBS, 0, SCHED_MODEL)
 
     knobs = dataclasses.replace(SCHED_KNOBS, spec_tokens=3)
@@ -225,7 +295,21 @@ def test_speculative_decoding_generates_the_plain_greedy_tokens(backend: Backend
 
 @pytest.mark.not_on_backends("fast-interpret", reason="interpreter: a whole simulated workload is too long")
 def test_simulate_with_spec_tokens_reports_acceptance_and_equality(backend: BackendHandle) -> None:
-    result = CliRunner().invoke(app, ["simulate", "--backend", backend.name, "--requests", "8", "--seed", "1",
-                                      "--verify-every", "2", "--spec-tokens", "3"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "simulate",
+            "--backend",
+            backend.name,
+            "--requests",
+            "8",
+            "--seed",
+            "1",
+            "--verify-every",
+            "2",
+            "--spec-tokens",
+            "3",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert "acceptance" in result.output and "all identical" in result.output

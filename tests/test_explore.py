@@ -27,7 +27,7 @@ import spec
 from conformance.backends import load_backend
 from conformance.examples import B_SAMPLED, worked_example
 from conformance.scheduler import ReferenceScheduler, SchedulerKnobs, make_workload
-from conformance.shadow import ShadowChecker
+from shadow.checker import ShadowChecker
 from slotmap.cli import app
 from slotmap.explore import Recorder, seeded_run, shadow_run, worked_example_run, write_page
 from slotmap.explore.blocks import block_uses

@@ -16,13 +16,13 @@ import torch
 import fast
 import spec
 from conformance.backends import BackendHandle, to_numpy
-from conformance.compare import batch_differences
 from conformance.differential import one_torch_thread
 from conformance.scenario import random_scenario
 from conformance.scheduler import ReferenceScheduler
 from fast.runtime import HAVE_TRITON, interpret
 from fast.state import DeviceState
 from fast.writes import StepWrites, apply_writes
+from shadow.compare import batch_differences
 from spec.types import KVCacheGroup, WorkerConfig
 
 SPEC, FAST = BackendHandle("spec", spec), BackendHandle("fast", fast, to_numpy=to_numpy)

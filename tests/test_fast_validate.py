@@ -19,7 +19,6 @@ import pytest
 import fast
 import spec
 from conformance.backends import BackendHandle
-from conformance.compare import batch_differences, copy_batch
 from conformance.differential import one_torch_thread
 from conformance.driving import sampled_array
 from conformance.mutations import break_output
@@ -28,6 +27,7 @@ from conformance.scheduler import ReferenceScheduler
 from fast.fallback import Fallback
 from fast.runtime import interpret
 from fast.validate import plan_bulk_step
+from shadow.compare import batch_differences, copy_batch
 from spec.errors import (
     ALL_ERRORS,
     BlockIdError,

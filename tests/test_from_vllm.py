@@ -21,10 +21,10 @@ import pytest
 
 import spec
 from conformance.backends import BackendHandle
-from conformance.compare import batch_differences
 from conformance.driving import sampled_array
 from conformance.scenario import random_scenario, vllm_stress_scenario
 from conformance.scheduler import ReferenceScheduler, VllmFormError, as_vllm
+from shadow.compare import batch_differences
 from spec import interop
 from spec.interop import (
     VllmCachedRequestData,

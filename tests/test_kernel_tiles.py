@@ -21,10 +21,10 @@ import numpy as np
 import pytest
 
 from conformance.backends import BackendHandle, load_backend
-from conformance.compare import batch_differences, copy_batch
 from fast.kernels.apply_writes import BLOCK as APPLY_BLOCK
 from fast.kernels.prepare import BLOCK_COLS, BLOCK_TOKENS
 from fast.runtime import HAVE_TRITON
+from shadow.compare import batch_differences, copy_batch
 from spec.types import CachedRequest, KVCacheGroup, NewRequest, SchedulerOutput, WorkerConfig
 
 pytestmark = [

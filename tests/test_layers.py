@@ -1,6 +1,6 @@
 """The project's imports point down and never go round in a circle.
 
-Layers, lowest first: `spec` <- `fast` <- `conformance` <- {`slotmap`, `benchmarks`} (side by side: neither
+Layers, lowest first: `spec` <- `fast` <- `shadow` <- `conformance` <- {`slotmap`, `benchmarks`} (side by side: neither
 imports the other). Inside `slotmap`: {`tiny`, `pictures`, `bench`} <- {`simulate`, `explore`} <- `cli`. A module may
 import its own layer and the layers below it, never one above nor a sibling. On top of that no module may
 take part in an import cycle, counting every import in the file (inside functions too: a deferred
@@ -25,18 +25,19 @@ ROOT = Path(__file__).resolve().parent.parent
 LAYERS: tuple[tuple[str, int], ...] = (
     ("spec", 0),
     ("fast", 1),
-    ("conformance", 2),
-    ("benchmarks", 3),
-    ("slotmap", 3),
-    ("slotmap.tiny", 3),
-    ("slotmap.pictures", 3),
-    ("slotmap.bench", 3),
-    ("slotmap.simulate", 4),
-    ("slotmap.explore", 4),  # the explorer page: a whole run, from pictures' rows of each step
-    ("slotmap.cli", 5),
-    ("slotmap.__main__", 6),  # `python -m slotmap`: the command line again
+    ("shadow", 2),  # the shadow checker and vllm_attach: spec beside an existing engine
+    ("conformance", 3),
+    ("benchmarks", 4),
+    ("slotmap", 4),
+    ("slotmap.tiny", 4),
+    ("slotmap.pictures", 4),
+    ("slotmap.bench", 4),
+    ("slotmap.simulate", 5),
+    ("slotmap.explore", 5),  # the explorer page: a whole run, from pictures' rows of each step
+    ("slotmap.cli", 6),
+    ("slotmap.__main__", 7),  # `python -m slotmap`: the command line again
 )
-PACKAGES = ("spec", "fast", "conformance", "benchmarks", "slotmap")
+PACKAGES = ("spec", "fast", "shadow", "conformance", "benchmarks", "slotmap")
 
 
 def module_names(root: Path, packages: tuple[str, ...] = PACKAGES) -> dict[str, Path]:

@@ -8,8 +8,8 @@ import numpy as np
 
 import spec
 from conformance.backends import BackendHandle
-from conformance.compare import array_difference, entries_difference
 from conformance.examples import worked_example
+from shadow.compare import array_difference, entries_difference
 from spec.types import FEATURE_FIELDS
 
 

@@ -20,8 +20,8 @@ import torch
 import spec
 from conformance.scenario import Scenario, random_scenario, vllm_stress_scenario
 from conformance.scheduler import ReferenceScheduler, as_vllm
-from conformance.shadow import ShadowChecker, ShadowMismatchError, ShadowRefusalError, replay
-from conformance.shadow_inputs import to_numpy
+from shadow.checker import ShadowChecker, ShadowMismatchError, ShadowRefusalError, replay
+from shadow.inputs import to_numpy
 from spec.errors import ScheduleError
 from spec.interop import VllmCachedRequestData, VllmNewRequestData, VllmSchedulerOutput
 from spec.types import NULL_BLOCK_ID, KVCacheGroup, NewRequest, SchedulerOutput, WorkerConfig

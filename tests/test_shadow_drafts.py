@@ -18,7 +18,7 @@ import torch
 import spec
 from conformance.scenario import Scenario, random_scenario
 from conformance.scheduler import ReferenceScheduler, as_vllm
-from conformance.shadow import ShadowChecker, ShadowMismatchError, replay
+from shadow.checker import ShadowChecker, ShadowMismatchError, replay
 from spec.drafts import pad_accepted
 from spec.types import SchedulerOutput, WorkerConfig
 from tests.test_shadow import run_script

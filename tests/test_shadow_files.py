@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from conformance.private_files import create_new, create_unique
-from conformance.shadow import ShadowChecker, ShadowMismatchError
+from shadow.checker import ShadowChecker, ShadowMismatchError
+from shadow.private_files import create_new, create_unique
 from slotmap.cli import app
 from spec.types import KVCacheGroup, NewRequest, SchedulerOutput, WorkerConfig
 
@@ -75,7 +75,7 @@ def test_a_folder_and_a_symlink_at_the_old_default_are_left_alone(
 OPTIMIZED = """
 import json, os, sys
 import numpy as np
-from conformance.shadow import ShadowChecker, ShadowMismatchError
+from shadow.checker import ShadowChecker, ShadowMismatchError
 from spec.types import KVCacheGroup, NewRequest, SchedulerOutput, WorkerConfig
 
 shared, victim = sys.argv[1], sys.argv[2]

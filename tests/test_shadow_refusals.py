@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conformance.shadow import ShadowChecker, ShadowMismatchError, ShadowRefusalError
+from shadow.checker import ShadowChecker, ShadowMismatchError, ShadowRefusalError
 from spec.errors import BlockIdError, InconsistentSchedulerOutputError, ScheduleError, TokenBudgetError
 from spec.interop import VllmCachedRequestData, VllmNewRequestData, VllmSchedulerOutput
 from spec.types import CachedRequest, KVCacheGroup, NewRequest, SchedulerOutput, WorkerConfig

@@ -11,7 +11,7 @@ or `python -m conformance.vllm_drive --runner v1 --model tests/live_vllm/models/
 
 vLLM's scheduler is bypassed: each output of `conformance.scheduler.ReferenceScheduler` goes, in vLLM 0.32's
 form (`as_vllm`) and classes (vllm_output.py), into the runner's `execute_model` / `sample_tokens`
-(runner_step.py) with the shadow checker attached (conformance/vllm_attach), and the runner's kept tokens
+(runner_step.py) with the shadow checker attached (shadow/vllm_attach), and the runner's kept tokens
 drive the scheduler: with drafts from prompt lookup (proposer.py) the runner's rejection sampler decides what
 is accepted. The modules:
 

@@ -54,7 +54,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repro-dir", default=None, help="where a failure's reproduction script goes")
     args = parser.parse_args(argv)
 
-    from conformance.vllm_attach import UnsupportedVllmConfigError
     from conformance.vllm_drive import (
         DriveError,
         DrivePlan,
@@ -65,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         shutdown,
     )
     from conformance.vllm_drive.engine import RunnerKindError, set_offline_env
+    from shadow.vllm_attach import UnsupportedVllmConfigError
 
     knobs = replace(SchedulerKnobs(spec_tokens=args.spec_tokens, max_chunk=args.chunk // 2 or None), **dict(args.knob))
     plan = DrivePlan(knobs, seed=args.seed, num_requests=args.requests, max_new_tokens=args.max_new_tokens,

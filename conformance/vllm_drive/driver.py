@@ -3,7 +3,7 @@
     report = drive(llm, DrivePlan(knobs=SchedulerKnobs(spec_tokens=3), scheduler_blocks=12), steps=500)
 
 Per step: `sched.schedule()`, its vLLM form (`as_vllm`), in vLLM's own classes (`to_vllm`), into the runner's
-`execute_model` and `sample_tokens`, with the shadow checker attached (conformance/vllm_attach), which compares
+`execute_model` and `sample_tokens`, with the shadow checker attached (shadow/vllm_attach), which compares
 what the runner built with spec before the forward pass. The runner's kept tokens go back to the scheduler
 (`sched.update`): with drafts, the runner's rejection sampler, not the scheduler's drawn one, decides how many
 it accepts, and the scheduler rolls back past the rest. vLLM's own scheduler is bypassed.
@@ -34,7 +34,6 @@ from typing import Any
 
 from conformance.scenario import Scenario
 from conformance.scheduler import ReferenceScheduler, Workload, as_vllm
-from conformance.shadow import ShadowChecker, ShadowMismatchError, ShadowRefusalError
 from conformance.vllm_drive.engine import engine_spec_of, runner_kind
 from conformance.vllm_drive.gates import KnobGateError, for_runner, gated
 from conformance.vllm_drive.mrv2_drafts import quiet_speculator, restore_speculator
@@ -45,6 +44,7 @@ from conformance.vllm_drive.repro import write
 from conformance.vllm_drive.runner_step import held_requests, release_state, run_step
 from conformance.vllm_drive.vllm_output import finishing, to_vllm
 from conformance.vllm_drive.workload import retagged
+from shadow.checker import ShadowChecker, ShadowMismatchError, ShadowRefusalError
 from spec.interop.vllm import VllmSchedulerOutput
 from spec.types import WorkerConfig
 
@@ -163,7 +163,7 @@ class _Session:
     """One drive's runner, shadow, record of the outputs sent, and failure handling."""
 
     def __init__(self, target: Any, repro_dir: str | Path | None) -> None:
-        from conformance.vllm_attach import attach, model_runner_of
+        from shadow.vllm_attach import attach, model_runner_of
 
         self.llm = None if _is_runner(target) else target
         self.runner = target if self.llm is None else model_runner_of(target)

@@ -71,8 +71,8 @@ def build_llm(spec: EngineSpec) -> Any:
     if spec.runner == "v2" and not HAS_TRITON:
         raise RunnerKindError(f"model runner v2 needs Triton, which this vLLM has not: {_STAND_IN}")
 
-    from conformance.vllm_attach import model_runner_of
-    from conformance.vllm_attach.compat import let_vllm_scan_modules_beside_numba
+    from shadow.vllm_attach import model_runner_of
+    from shadow.vllm_attach.compat import let_vllm_scan_modules_beside_numba
 
     extra: dict[str, Any] = {}
     if spec.spec_tokens:

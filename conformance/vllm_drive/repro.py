@@ -22,11 +22,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from conformance.private_files import create_unique, private_dir
 from conformance.vllm_drive.engine import EngineSpec, build_llm
 from conformance.vllm_drive.mrv2_drafts import quiet_speculator
 from conformance.vllm_drive.runner_step import run_step
 from conformance.vllm_drive.vllm_output import to_vllm
+from shadow.private_files import create_unique, private_dir
 from spec.interop.vllm import VllmSchedulerOutput
 
 REPLAYED: list[Any] = []  # the replays' engines, alive until the process ends (module docstring)
@@ -34,7 +34,7 @@ REPLAYED: list[Any] = []  # the replays' engines, alive until the process ends (
 
 def replay(engine: EngineSpec, max_tokens: Mapping[str, int], steps: Sequence[VllmSchedulerOutput]) -> None:
     """Send `steps` through a fresh runner of `engine`, every step checked; raises what the drive raised."""
-    from conformance.vllm_attach import attach, model_runner_of
+    from shadow.vllm_attach import attach, model_runner_of
 
     llm = build_llm(engine)
     REPLAYED.append(llm)
@@ -78,7 +78,7 @@ def script(engine: EngineSpec, max_tokens: Mapping[str, int], steps: Sequence[Vl
 
 def write(engine: EngineSpec, max_tokens: Mapping[str, int], steps: Sequence[VllmSchedulerOutput], failure: str,
           folder: str | Path | None) -> Path:  # fmt: skip
-    """Write the script (conformance/private_files.py: a new file, in `folder` or a fresh private directory)."""
+    """Write the script (shadow/private_files.py: a new file, in `folder` or a fresh private directory)."""
     where = Path(folder) if folder is not None else private_dir("slotmap-drive-")
     where.mkdir(mode=0o700, parents=True, exist_ok=True)
     stem = f"drive_repro_step{len(steps) - 1}"

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from conformance.private_files import private_dir
+from shadow.private_files import private_dir
 from slotmap.bench.page import render
 from slotmap.bench.results import load
 from slotmap.bench.targets import rich_table, target_rows

@@ -66,34 +66,51 @@ def explain(
     ] = None,
     spec_tokens: Annotated[
         int,
-        typer.Option(min=0, help="with --seed: the scheduler drafts up to K tokens per request (speculative "
-                     "decoding); the step shows which tokens are drafts, their slots and logits rows"),
+        typer.Option(
+            min=0,
+            help="with --seed: the scheduler drafts up to K tokens per request (speculative "
+            "decoding); the step shows which tokens are drafts, their slots and logits rows",
+        ),
     ] = 0,
     cp: Annotated[
         int,
-        typer.Option(min=1, help="also show each rank's slots under decode context parallelism over N ranks (the "
-                     "pool's block of a group without a sliding window is the virtual block of N ranks' blocks)"),
+        typer.Option(
+            min=1,
+            help="also show each rank's slots under decode context parallelism over N ranks (the "
+            "pool's block of a group without a sliding window is the virtual block of N ranks' blocks)",
+        ),
     ] = 1,
     interleave: Annotated[int, typer.Option(min=1, help="with --cp: consecutive positions per rank's turn")] = 1,
     async_scheduling: Annotated[
         bool,
-        typer.Option("--async", help="with --seed: steps scheduled one ahead of the samples; shows the step's "
-                     "pending tokens, whose input id is the previous step's sample"),
+        typer.Option(
+            "--async",
+            help="with --seed: steps scheduled one ahead of the samples; shows the step's "
+            "pending tokens, whose input id is the previous step's sample",
+        ),
     ] = False,
     encoder_decoder: Annotated[
         bool,
-        typer.Option(help="with --seed: an encoder-decoder model; shows each request's encoder length and the "
-                     "cross-attention slots its encoder output is written to on its first step"),
+        typer.Option(
+            help="with --seed: an encoder-decoder model; shows each request's encoder length and the "
+            "cross-attention slots its encoder output is written to on its first step"
+        ),
     ] = False,
     mrope: Annotated[
         bool,
-        typer.Option("--mrope", help="with --seed: a multimodal model with M-RoPE; shows each token's three "
-                     "position rows (temporal, height, width) and whether they come from its table or p + delta"),
+        typer.Option(
+            "--mrope",
+            help="with --seed: a multimodal model with M-RoPE; shows each token's three "
+            "position rows (temporal, height, width) and whether they come from its table or p + delta",
+        ),
     ] = False,
     hybrid: Annotated[
         bool,
-        typer.Option("--hybrid", help="with --seed: a hybrid model with a Mamba state group; shows the state block "
-                     "each request starts from and the ones it writes (its drafts' too)"),
+        typer.Option(
+            "--hybrid",
+            help="with --seed: a hybrid model with a Mamba state group; shows the state block "
+            "each request starts from and the ones it writes (its drafts' too)",
+        ),
     ] = False,
 ) -> None:
     """Show one step in the four index spaces: state rows, batch, flat tokens, each token's path to its slot."""
@@ -170,8 +187,10 @@ def explore(
     ] = 0,
     reuse_freed_first: Annotated[
         bool,
-        typer.Option(help="with --seed: freed blocks are handed out first, as vLLM's allocator does (a block a "
-                     "window released comes straight back, even to the same request)"),
+        typer.Option(
+            help="with --seed: freed blocks are handed out first, as vLLM's allocator does (a block a "
+            "window released comes straight back, even to the same request)"
+        ),
     ] = False,
     step: Annotated[int | None, typer.Option(min=1, help="the step the page opens at (default: the first)")] = None,
     screenshot: Annotated[
@@ -223,8 +242,11 @@ def simulate(
     ] = None,
     spec_tokens: Annotated[
         int,
-        typer.Option(min=0, help="speculative decoding: up to K n-gram drafts per request per step, checked to "
-                     "generate exactly the tokens of plain greedy decoding (0: off)"),
+        typer.Option(
+            min=0,
+            help="speculative decoding: up to K n-gram drafts per request per step, checked to "
+            "generate exactly the tokens of plain greedy decoding (0: off)",
+        ),
     ] = 0,
 ) -> None:
     """Run a synthetic workload through scheduler -> pool -> a tiny decoder, verifying against spec as it goes."""

@@ -20,8 +20,8 @@ from rich.table import Table
 from conformance.backends import load_backend
 from conformance.differential import DifferentialRun, MismatchError, one_torch_thread
 from conformance.mutations import breaker
-from conformance.private_files import create_new
 from conformance.scenario import random_scenario
+from shadow.private_files import create_new
 from spec.errors import ALL_ERRORS
 
 
@@ -32,7 +32,7 @@ class CheckOptions:
     seed: int = 0
     invalid_share: float = 0.2  # share of steps preceded by an invalid variant
     max_steps_per_scenario: int = 200
-    repro: Path | None = None  # also write the reproduction to this new file (conformance/private_files.py)
+    repro: Path | None = None  # also write the reproduction to this new file (shadow/private_files.py)
 
 
 def check_command(options: CheckOptions, console: Console) -> bool:

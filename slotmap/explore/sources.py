@@ -16,7 +16,7 @@ import numpy as np
 from conformance.examples import worked_example
 from conformance.scheduler import ReferenceScheduler, SchedulerKnobs, make_workload
 from conformance.scheduler.request import Status
-from conformance.shadow import ShadowStep
+from shadow.checker import ShadowStep
 from slotmap.explore.record import Recorder, Run
 from slotmap.pictures.steps import SEEDED_CONFIG
 from spec.drafts import pad_accepted

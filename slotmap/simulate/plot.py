@@ -33,7 +33,8 @@ def save_plot(report: SimulationReport, path: Path) -> None:
     for g, group in enumerate(report.config.kv_groups):
         window = f", window {group.sliding_window}" if group.sliding_window else ""
         blocks_ax.plot(
-            usage_steps, [u[g] / (group.num_blocks - 1) for u in report.block_usage],
+            usage_steps,
+            [u[g] / (group.num_blocks - 1) for u in report.block_usage],
             label=f"group {g} (block size {group.block_size}{window})",
         )
     blocks_ax.set_ylim(0, 1.05)

@@ -66,9 +66,13 @@ def run_simulation(options: SimulateOptions, console: Console | None = None) -> 
     config = simulation_config(options)
     backend = load_backend(options.backend)
     workload = make_workload(
-        options.seed, config, num_requests=options.requests,
+        options.seed,
+        config,
+        num_requests=options.requests,
         max_arrival_step=options.arrival_steps if options.arrival_steps is not None else options.requests // 2,
-        num_prefixes=4, shared_prefix_prob=0.6, max_prompt_len=options.max_prompt_len,
+        num_prefixes=4,
+        shared_prefix_prob=0.6,
+        max_prompt_len=options.max_prompt_len,
         max_new_tokens=options.max_new_tokens,
     )
     model_config = ModelConfig(vocab_size=config.vocab_size)
@@ -77,14 +81,14 @@ def run_simulation(options: SimulateOptions, console: Console | None = None) -> 
     scheduler = ReferenceScheduler(config, workload, knobs=knobs, seed=options.seed, proposer=drafter)
     engine = Engine(backend, config, model_config, record_logits=options.dense_check)
     verifier = SpecVerifier(engine, options.verify_every) if options.verify_every > 0 else None
-    report = SimulationReport(options.backend, config, verifier=verifier,
-                              prompt_tokens=workload.num_prompt_tokens)
+    report = SimulationReport(options.backend, config, verifier=verifier, prompt_tokens=workload.num_prompt_tokens)
     finished: list[RequestRecord] = []
     plain_check = None
     if options.spec_tokens:
         report.speculative = comparison = SpeculativeComparison(options.spec_tokens)
-        plain, comparison.plain_steps = plain_greedy_run(backend, config, workload, simulation_knobs(),
-                                                         options.seed, model_config)
+        plain, comparison.plain_steps = plain_greedy_run(
+            backend, config, workload, simulation_knobs(), options.seed, model_config
+        )
         plain_check = prefix_check(comparison, plain, engine)
 
     def on_finished(record: RequestRecord) -> None:
@@ -98,9 +102,13 @@ def run_simulation(options: SimulateOptions, console: Console | None = None) -> 
     dense_seconds = [0.0]
 
     with Progress(
-        TextColumn("[bold]simulate[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
-        TextColumn("step {task.fields[step]}"), TimeElapsedColumn(),
-        console=console or Console(), transient=False,
+        TextColumn("[bold]simulate[/] {task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("step {task.fields[step]}"),
+        TimeElapsedColumn(),
+        console=console or Console(),
+        transient=False,
     ) as progress:
         task = progress.add_task(f"{options.backend}: requests finished", total=options.requests, step=0)
 

@@ -16,8 +16,8 @@ import numpy as np
 import torch
 
 from conformance.backends import BackendHandle, load_backend
-from conformance.compare import batch_differences
 from conformance.tolerance import as_float64, tolerance
+from shadow.compare import batch_differences
 from slotmap.tiny.engine import Engine, StepResult
 from slotmap.tiny.kv_caches import PagedKV
 from spec.drafts import pad_accepted

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from conformance.vllm_attach import AttachedShadow, StepRecord, attach
-from conformance.vllm_attach.compat import let_vllm_scan_modules_beside_numba
+from shadow.vllm_attach import AttachedShadow, StepRecord, attach
+from shadow.vllm_attach.compat import let_vllm_scan_modules_beside_numba
 
 MODELS = Path(__file__).resolve().parent / "models"
 

@@ -65,7 +65,7 @@ def summary(shadow: Any, calls: Counter[str], num_groups: int, outputs: list[lis
 def llama_then_planted(work: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     from vllm.v1.worker.gpu.block_table import BlockTables
 
-    from conformance.shadow import ShadowMismatchError
+    from shadow.checker import ShadowMismatchError
     from tests.live_vllm.engine import engine, generate
 
     # 14 blocks of 32 tokens for 8 requests of up to 200 tokens: the scheduler must preempt and resume;
@@ -146,7 +146,7 @@ class HostNgramProposer:
 def ngram_then_planted(work: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     import vllm.v1.worker.gpu.model_runner as mrv2
 
-    from conformance.shadow import ShadowMismatchError
+    from shadow.checker import ShadowMismatchError
     from tests.live_vllm.engine import engine, generate
 
     # prompts that repeat themselves give the proposer drafts; the random-weight model agrees with some of
@@ -186,8 +186,8 @@ def drive_v2(work: Path) -> dict[str, Any]:
     blocks (preemptions, resumptions on the next step), prefix hits, chunks, prompt-lookup drafts written into
     MRv2's draft store (conformance/vllm_drive/mrv2_drafts.py), every step checked."""
     from conformance.scheduler import SchedulerKnobs
-    from conformance.vllm_attach import model_runner_of
     from conformance.vllm_drive import DrivePlan, EngineSpec, build_llm, drive, shutdown
+    from shadow.vllm_attach import model_runner_of
     from tests.live_vllm.engine import MODELS
 
     llm = build_llm(EngineSpec(str(MODELS / "llama"), num_blocks=64, spec_tokens=3, runner="v2"))
@@ -204,8 +204,8 @@ def drive_v2(work: Path) -> dict[str, Any]:
 def plugin(work: Path) -> dict[str, Any]:
     from vllm import LLM
 
-    from conformance.vllm_attach import model_runner_of
-    from conformance.vllm_attach import plugin as entry_point
+    from shadow.vllm_attach import model_runner_of
+    from shadow.vllm_attach import plugin as entry_point
     from tests.live_vllm.engine import MODELS, generate
 
     os.environ[entry_point.ENV] = "1"

@@ -51,7 +51,7 @@ def main(work: Path) -> dict[str, Any]:
                       VLLM_USE_V2_MODEL_RUNNER="0")  # fmt: skip
     from vllm import LLM
 
-    from conformance.vllm_attach.compat import let_vllm_scan_modules_beside_numba
+    from shadow.vllm_attach.compat import let_vllm_scan_modules_beside_numba
     from tests.live_vllm.engine import MODELS, generate
 
     let_vllm_scan_modules_beside_numba()

@@ -1,4 +1,4 @@
-"""What conformance/vllm_attach/hook.py reads of vLLM's model runner exists under those names in the installed
+"""What shadow/vllm_attach/hook.py reads of vLLM's model runner exists under those names in the installed
 vLLM: a vLLM that renamed one fails here by name, not as a silent gap in what is checked. (Async scheduling
 is off on CPU, so its path is held to vLLM's names here rather than run.)"""
 
@@ -46,6 +46,6 @@ def test_importing_the_attach_package_imports_no_vllm() -> None:
     import subprocess
     import sys
 
-    code = "import sys, conformance.vllm_attach; print(sorted(m for m in sys.modules if m.split('.')[0] == 'vllm'))"
+    code = "import sys, shadow.vllm_attach; print(sorted(m for m in sys.modules if m.split('.')[0] == 'vllm'))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

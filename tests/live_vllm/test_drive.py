@@ -16,8 +16,6 @@ from hypothesis import HealthCheck, given, note, settings
 
 from conformance.scenario import vllm_stress_scenario
 from conformance.scheduler import SchedulerKnobs
-from conformance.shadow import ShadowMismatchError
-from conformance.vllm_attach import model_runner_of
 from conformance.vllm_drive import (
     RUNNER_GATES,
     DriveError,
@@ -29,6 +27,8 @@ from conformance.vllm_drive import (
     shutdown,
 )
 from conformance.vllm_drive.strategies import drive_plans
+from shadow.checker import ShadowMismatchError
+from shadow.vllm_attach import model_runner_of
 from tests.live_vllm.engine import MODELS
 
 FEW_BLOCKS = 12  # the scheduler's pool: 11 blocks of 32 tokens for 8 requests of up to 256 tokens

@@ -22,9 +22,9 @@ from typing import Any
 
 import pytest
 
-from conformance.shadow import ShadowMismatchError
-from conformance.vllm_attach import UnsupportedVllmConfigError, VllmShadowV2, attach
-from conformance.vllm_attach.plugin import attach_at_first_step
+from shadow.checker import ShadowMismatchError
+from shadow.vllm_attach import UnsupportedVllmConfigError, VllmShadowV2, attach
+from shadow.vllm_attach.plugin import attach_at_first_step
 
 ROOT = Path(__file__).resolve().parents[2]
 MRV2 = "vllm.v1.worker.gpu.model_runner.GPUModelRunner"

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from conformance.shadow import ShadowMismatchError
+from shadow.checker import ShadowMismatchError
 from tests.live_vllm.engine import engine, generate
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conformance.vllm_attach.compat import let_vllm_scan_modules_beside_numba
+from shadow.vllm_attach.compat import let_vllm_scan_modules_beside_numba
 from tests.live_vllm.engine import MODELS, generate
 
 
@@ -16,7 +16,7 @@ def test_the_entry_point_is_what_vllm_loads(monkeypatch: pytest.MonkeyPatch) -> 
     from vllm.plugins import load_plugins_by_group
     from vllm.v1.worker.worker_base import WorkerWrapperBase
 
-    from conformance.vllm_attach import plugin
+    from shadow.vllm_attach import plugin
 
     own = WorkerWrapperBase.init_device
     monkeypatch.setattr(WorkerWrapperBase, "init_device", own)  # restored after the test, whatever register does
@@ -33,7 +33,7 @@ def test_with_slotmap_shadow_set_every_step_of_a_plain_llm_is_checked(
     from vllm import LLM
     from vllm.v1.worker.worker_base import WorkerWrapperBase
 
-    from conformance.vllm_attach import VllmShadow, model_runner_of, plugin
+    from shadow.vllm_attach import VllmShadow, model_runner_of, plugin
 
     monkeypatch.setattr(WorkerWrapperBase, "init_device", WorkerWrapperBase.init_device)
     monkeypatch.setenv(plugin.ENV, "1")
@@ -56,7 +56,7 @@ def test_with_slotmap_shadow_set_every_step_of_a_plain_llm_is_checked(
 
 
 def test_the_command_a_user_copies_reports_the_steps_checked(capsys: pytest.CaptureFixture[str]) -> None:
-    from conformance.vllm_attach.__main__ import main
+    from shadow.vllm_attach.__main__ import main
 
     status = main(["--model", str(MODELS / "llama"), "--requests", "4", "--max-tokens", "6", "--blocks", "32",
                    "--max-model-len", "256"])  # fmt: skip

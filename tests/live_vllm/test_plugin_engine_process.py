@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conformance.shadow import ShadowMismatchError
+from shadow.checker import ShadowMismatchError
 
 ROOT = Path(__file__).resolve().parents[2]
 

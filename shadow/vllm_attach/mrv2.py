@@ -1,7 +1,7 @@
 """The shadow checker inside vLLM's model runner v2 (MRv2, vllm/v1/worker/gpu/model_runner.py; on CPU
 `vllm.v1.worker.cpu.model_runner.CPUModelRunner`, a subclass): every step checked before the forward pass.
 
-    shadow = attach(llm)          # conformance.vllm_attach.attach: picks this class for an MRv2 runner
+    shadow = attach(llm)          # shadow.vllm_attach.attach: picks this class for an MRv2 runner
     llm.generate(...)             # each step is checked before the model runs; a divergence raises
 
 MRv2 builds a step's inputs on the device: `prepare_inputs` returns an `InputBatch` (its batch order,
@@ -45,9 +45,9 @@ from typing import Any
 
 import numpy as np
 
-from conformance.shadow import ShadowChecker
-from conformance.vllm_attach.common import AttachedShadow, Step, host
-from conformance.vllm_attach.config import UnsupportedVllmConfigError
+from shadow.checker import ShadowChecker
+from shadow.vllm_attach.common import AttachedShadow, Step, host
+from shadow.vllm_attach.config import UnsupportedVllmConfigError
 
 WRAPPED = ("execute_model", "prepare_attn", "sample_tokens")
 

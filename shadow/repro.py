@@ -1,6 +1,6 @@
 """The shadow checker's reproduction: a script that replays the recorded steps through a fresh checker.
 
-It is written with `conformance.private_files` (a private directory unless the caller named one, a new
+It is written with `shadow.private_files` (a private directory unless the caller named one, a new
 file never replacing anything) and raises the same report at the same step when run from the
 repository root.
 """
@@ -12,12 +12,12 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from conformance.shadow_inputs import ShadowStep
+from shadow.inputs import ShadowStep
 from spec.types import WorkerConfig
 
 IMPORTS = (
-    "from conformance.shadow import ShadowStep, replay\n"
-    "from conformance.shadow_inputs import UnreadableOutput\n"
+    "from shadow.checker import ShadowStep, replay\n"
+    "from shadow.inputs import UnreadableOutput\n"
     "from spec.interop.vllm import VllmCachedRequestData, VllmNewRequestData, VllmSchedulerOutput\n"
     "from spec.types import CachedRequest, CachedRequestColumns, KVCacheGroup, NewRequest, SchedulerOutput\n"
     "from spec.types import WorkerConfig\n"
@@ -30,7 +30,7 @@ def reproduction(
     """The script's text: `replay(config, steps, **options, target=target)` over every step so far."""
     with np.printoptions(threshold=sys.maxsize):  # a repr must hold every entry, never "..."
         body = [
-            '"""Written by conformance.shadow: replays an engine\'s steps through spec and raises the same report."""',
+            '"""Written by shadow.checker: replays an engine\'s steps through spec and raises the same report."""',
             "import numpy as np",
             "from numpy import array, bool_, int8, int16, int32, int64, uint8, uint16, uint32, uint64  # noqa: F401",
             "",

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from conformance.compare import entries_difference
-from conformance.shadow_inputs import GROUPED, REQUEST_FIELDS, TOKEN_FIELDS
+from shadow.compare import entries_difference
+from shadow.inputs import GROUPED, REQUEST_FIELDS, TOKEN_FIELDS
 from spec.interop.vllm import VllmSchedulerOutput
 from spec.types import NULL_BLOCK_ID, PAD_SLOT_ID, BatchInputs, WorkerConfig
 

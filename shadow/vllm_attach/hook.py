@@ -5,7 +5,7 @@
     shadow.steps_checked, shadow.checker
 
 `attach` finds the runner and picks the attach for its kind: vLLM's `GPUModelRunner` (v1, this module) or
-model runner v2 (`conformance/vllm_attach/mrv2.py`); any other runner is refused, naming its type. For v1
+model runner v2 (`shadow/vllm_attach/mrv2.py`); any other runner is refused, naming its type. For v1
 it wraps five methods of one `GPUModelRunner` instance (the CPU, XPU and CUDA runners all are one), each
 capturing what the runner itself built, as host copies, before the forward pass reads it:
 
@@ -32,9 +32,9 @@ from typing import Any
 
 import numpy as np
 
-from conformance.shadow import ShadowChecker
-from conformance.vllm_attach.common import AttachedShadow, Step, host, kept, runner_kind, runner_of_worker
-from conformance.vllm_attach.config import UnsupportedVllmConfigError
+from shadow.checker import ShadowChecker
+from shadow.vllm_attach.common import AttachedShadow, Step, host, kept, runner_kind, runner_of_worker
+from shadow.vllm_attach.config import UnsupportedVllmConfigError
 
 _WRAPPED = ("execute_model", "_prepare_inputs", "_build_attention_metadata", "_model_forward", "sample_tokens")
 
@@ -216,7 +216,7 @@ def attach(target: Any, checker: ShadowChecker | None = None, **checker_kwargs: 
     if kind == "v1":
         return VllmShadow(runner, checker, **checker_kwargs)
     if kind == "v2":
-        from conformance.vllm_attach.mrv2 import VllmShadowV2
+        from shadow.vllm_attach.mrv2 import VllmShadowV2
 
         return VllmShadowV2(runner, checker, **checker_kwargs)
     raise UnsupportedVllmConfigError(

@@ -70,7 +70,7 @@ def copy_arrays(arrays: Mapping[str, Any]) -> dict[str, np.ndarray]:
     out = {}
     for name, value in arrays.items():
         if name not in KNOWN_FIELDS and not GROUPED.match(name):
-            raise ValueError(f"arrays: unknown field {name!r} (see conformance.shadow's docstring)")
+            raise ValueError(f"arrays: unknown field {name!r} (see shadow.checker's docstring)")
         out[name] = to_numpy(value)
     return out
 

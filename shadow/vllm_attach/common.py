@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from conformance.shadow import ShadowChecker
-from conformance.vllm_attach.config import UnsupportedVllmConfigError, worker_config_from_vllm
+from shadow.checker import ShadowChecker
+from shadow.vllm_attach.config import UnsupportedVllmConfigError, worker_config_from_vllm
 
 REPRO_DIR_ENV = "SLOTMAP_SHADOW_REPRO_DIR"  # where reproduction scripts go (default: the checker's)
 # the runner classes slotmap attaches to: module, kind ("v1": hook.VllmShadow, "v2": mrv2.VllmShadowV2)

@@ -30,7 +30,7 @@ def register() -> None:
         return
     from vllm.v1.worker.worker_base import WorkerWrapperBase  # only when asked for
 
-    from conformance.vllm_attach.compat import let_vllm_scan_modules_beside_numba
+    from shadow.vllm_attach.compat import let_vllm_scan_modules_beside_numba
 
     let_vllm_scan_modules_beside_numba()  # plugins load before vLLM builds its engine and scans the modules
 
@@ -50,8 +50,8 @@ def register() -> None:
 def attach_at_first_step(worker: Any) -> None:
     """Give the worker's model runner an execute_model that attaches the checker at the first real step;
     UnsupportedVllmConfigError, naming the type, for a runner (or no runner) slotmap cannot check."""
-    from conformance.vllm_attach.common import runner_kind, runner_of_worker
-    from conformance.vllm_attach.config import UnsupportedVllmConfigError
+    from shadow.vllm_attach.common import runner_kind, runner_of_worker
+    from shadow.vllm_attach.config import UnsupportedVllmConfigError
 
     runner = runner_of_worker(worker)
     if runner_kind(runner) is None:
@@ -67,7 +67,7 @@ def attach_at_first_step(worker: Any) -> None:
     def execute_model(*args: Any, **kwargs: Any) -> Any:
         if kwargs.get("dummy_run"):  # model runner v2's profile and padding runs: no step of the engine's
             return type(runner).execute_model(runner, *args, **kwargs)
-        from conformance.vllm_attach.hook import attach
+        from shadow.vllm_attach.hook import attach
 
         del runner.execute_model  # the class's own, which attach wraps
         try:
