@@ -37,11 +37,12 @@ class HostBatch:
         req_ids: tuple[str, ...],  # [num_reqs] batch order
         rows: np.ndarray,  # [num_reqs] int64 batch_idx -> req_state_idx
         num_scheduled: np.ndarray,  # [num_reqs] int64 batch order
-        num_tokens: int,
+        cu_num_tokens: np.ndarray,  # [num_reqs] int64
         padded: int,
     ) -> BatchInputs:
         groups = state.config.kv_groups
         n, t = len(req_ids), padded
+        num_tokens = int(cu_num_tokens[-1]) if n else 0
         # out32 = index_mapping | num_scheduled | query_start_loc | seq_lens | logits_indices | tables per group
         out32 = self._buffer32(5 * n + 1 + n * dev.total_width)
         # out64 = positions | input_ids | slot mapping per group, each [T] | token rows [num_tokens] (scratch)

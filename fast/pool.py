@@ -22,7 +22,7 @@ The mode is fixed when the pool is built (fast.runtime.use_triton at that moment
   the host mirror: committing to the mirror is the device write, and prepare is compiled loops over it.
 prepare never waits for the device: everything it needs on the host (rows, order, counts) is in the plan.
 
-What a caller may keep: in host mode the batch's tensors are views of buffers the pool reuses, valid
+What a caller may keep: the batch's tensors are views of buffers the pool reuses (in both modes), valid
 until the next prepare (as vLLM's persistent input buffers); copy what must outlive the step. The host
 copies of index_mapping and seq_lens that record_sampled reads are the pool's own.
 """
@@ -42,7 +42,7 @@ from fast.drafts import batch_drafts, draft_columns, draft_positions, sampler_te
 from fast.fallback import Fallback
 from fast.feature import Placement
 from fast.host_prepare import HostBatch
-from fast.kernel_prepare import prepare_on_device
+from fast.kernel_prepare import DeviceBatch
 from fast.model_kinds import fast_features_for
 from fast.released import ReleasedTails
 from fast.runtime import interpret, interpret_enabled, use_triton
@@ -70,8 +70,9 @@ class RequestStatePool:
         if not triton and self.device.type != "cpu":
             raise ValueError(f"fast runs on CUDA (Triton) or CPU tensors, not {self.device}")
         self.host_mode = not triton  # CPU tensors sharing the host mirror's memory, compiled loops for prepare
-        self.state: PoolState = HostMirror(config)  # validation and batch order read only this
-        self.dev = DeviceState(config, self.device, mirror=self.state if self.host_mode else None)
+        mirror = HostMirror(config)
+        self.state: PoolState = mirror  # validation and batch order read only this
+        self.dev = DeviceState(config, self.device, mirror=mirror if self.host_mode else None)
         # the model kind's features (fast/feature.py): none for a plain decoder
         self.features = fast_features_for(config, Placement(self.dev, self.host_mode, self._interpret))
         self.released = ReleasedTails(config)  # the validator's per-row cache of released entries
@@ -82,7 +83,9 @@ class RequestStatePool:
         pooled = config.one_block_pool and len(config.kv_groups) > 1
         num_ids = config.kv_groups[0].num_blocks
         self._block_owner = np.zeros(num_ids, np.int8) if pooled and num_ids <= MAX_OWNER_MAP else None
-        self._host_batch = HostBatch()  # host mode: the buffers and tensors batches are handed out in
+        # the buffers batches are handed out in, reused from step to step: compiled loops over the mirror's
+        # memory in host mode (fast/host_prepare.py), one launch into device buffers under Triton (kernel_prepare.py)
+        self._batch_buffers = HostBatch() if self.host_mode else DeviceBatch(self.dev)
         self._applied: SchedulerOutput | None = None
         self._plan: StepPlan | None = None  # the applied output as validated: all prepare reads of it
         self._prepared: BatchInputs | None = None  # the batch record_sampled may take
@@ -145,13 +148,10 @@ class RequestStatePool:
         # [num_reqs] int64 as the host counts (optimistically, under async scheduling: spec/async_steps.py)
         computed = plan.num_computed if order is None else plan.num_computed[order]
         seq_lens = computed + num_scheduled
-        if self.host_mode:
-            batch = self._host_batch.prepare(
-                self.dev, self.state, req_ids, index_mapping, num_scheduled, num_tokens, padded
+        with interpret(self._interpret):  # Triton's kernel runs as the pool was built: compiled or interpreted
+            batch = self._batch_buffers.prepare(
+                self.dev, self.state, req_ids, index_mapping, num_scheduled, cu_num_tokens, padded
             )
-        else:
-            with interpret(self._interpret):
-                batch = prepare_on_device(self.dev, req_ids, index_mapping, num_scheduled, cu_num_tokens, padded)
         drafts = None
         if plan.num_drafts is not None:  # input ids are right already (apply stored the drafts): add the indices
             drafts = batch_drafts(plan.num_drafts, plan.draft_ids, order)  # [num_reqs], [num_drafts] batch order

@@ -80,6 +80,15 @@ def upload(array: np.ndarray, device: torch.device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
+def upload_into(destination: torch.Tensor, array: np.ndarray) -> torch.Tensor:
+    """`array` copied into `destination` (a persistent device buffer of its size) without waiting for the device:
+    on CUDA from pinned memory, which the caching host allocator keeps until the copy is done."""
+    host = torch.from_numpy(np.ascontiguousarray(array))
+    if destination.device.type == "cpu":
+        return destination.copy_(host)
+    return destination.copy_(host.pin_memory(), non_blocking=True)
+
+
 class HostCopy:
     """Device tensors on their way to the host: the copy starts when made and `wait` returns them as NumPy.
 

@@ -12,9 +12,9 @@ Token ids are int32 (spec.types.TOKEN_STORAGE_DTYPE) in an array that grows with
 held (`reserve_tokens`), not [R, max_model_len] up front: a pool sized for 4096 x 131072 tokens
 allocates nothing for tokens until requests arrive, and a step's token reads stay in a few cache lines.
 
-Host mode (`DeviceState(config, cpu, mirror=pool_state)`, CPU tensors without Triton): the "device" is
+Host mode (`DeviceState(config, cpu, mirror=host_mirror)`, CPU tensors without Triton): the "device" is
 host memory, so keeping a second copy would only double every write. The tensors are then views of
-the mirror's arrays (the mirror's block tables become views of one flat buffer, as above) and of a
+the mirror's arrays (HostMirror keeps its block tables as views of one flat buffer, as above) and of a
 NumPy token array, `token_ids_np`: a commit to the mirror is the device write. `num_blocks` is then
 the mirror's int64 array (nothing on the host path reads it as int32). With Triton (CUDA, or CPU under
 the interpreter) the state stays separate, so the kernels' writes are what the tests check.
@@ -34,13 +34,19 @@ _MIN_TOKEN_CAPACITY = 256
 _TOKEN_CAPACITY_ALIGN = 64  # columns: rows start on cache-line boundaries
 
 
+def table_layout(config: WorkerConfig) -> tuple[np.ndarray, np.ndarray]:
+    """All groups' tables in one flat buffer: per group its width [G] (max_blocks_per_req) and its offset [G]
+    (the widths of the groups before it); group g's [R, width] table starts at R * offset[g]."""
+    widths = np.array([config.max_blocks_per_req(g) for g in range(len(config.kv_groups))], np.int64)
+    return widths, np.concatenate([[0], np.cumsum(widths)[:-1]]).astype(np.int64)
+
+
 class DeviceState:
-    def __init__(self, config: WorkerConfig, device: torch.device, mirror: PoolState | None = None) -> None:
+    def __init__(self, config: WorkerConfig, device: torch.device, mirror: HostMirror | None = None) -> None:
         self.config = config
         self.device = device
         rows, groups = config.max_num_reqs, len(config.kv_groups)
-        widths = np.array([config.max_blocks_per_req(g) for g in range(groups)], np.int64)
-        offsets = np.concatenate([[0], np.cumsum(widths)[:-1]]).astype(np.int64)
+        widths, offsets = table_layout(config)
         self.widths_np = widths  # [G] max_blocks_per_req(g)
         self.offsets_np = offsets  # [G] table_offset(g), in units of rows' widths
         self.block_sizes_np = np.array([g.block_size for g in config.kv_groups], np.int64)  # [G]
@@ -58,14 +64,9 @@ class DeviceState:
         else:
             if device.type != "cpu":
                 raise ValueError(f"only CPU state can be shared with the host mirror, not {device}")
-            flat = np.full(rows * self.total_width, NULL_BLOCK_ID, np.int32)  # [R * total_width] all groups
-            mirror.block_tables = [  # same values (all NULL), now views of the one buffer the tensors share
-                flat[rows * int(off) : rows * int(off + width)].reshape(rows, int(width))
-                for off, width in zip(offsets, widths, strict=True)
-            ]
             self.token_ids_np = np.zeros((rows, 0), np.int32)  # [R, token_capacity]
             self.token_ids = torch.from_numpy(self.token_ids_np)
-            self.tables = torch.from_numpy(flat)
+            self.tables = torch.from_numpy(mirror.flat_tables)  # the mirror's tables, all groups, one buffer
             self.num_blocks = torch.from_numpy(mirror.num_blocks)  # [G, R] int64, the mirror's
             self.num_computed = torch.from_numpy(mirror.num_computed_tokens)  # [R]
 
@@ -115,7 +116,21 @@ class DeviceState:
 
 
 class HostMirror(PoolState):
-    """spec's PoolState with its table writes compiled: the same commit, without a dozen NumPy calls per group."""
+    """spec's PoolState with its table writes compiled: the same commit, without a dozen NumPy calls per group.
+
+    Its tables are views of one flat buffer (`flat_tables`, table_layout's order), allocated here once: in host
+    mode the device state's `tables` tensor shares that memory, so a commit to the mirror is the device write.
+    """
+
+    def __init__(self, config: WorkerConfig) -> None:
+        super().__init__(config)
+        rows = config.max_num_reqs
+        widths, offsets = table_layout(config)
+        self.flat_tables = np.full(rows * int(widths.sum()), NULL_BLOCK_ID, np.int32)  # [R * total_width]
+        self.block_tables = [  # per group [R, max_blocks_per_req(g)], a view of flat_tables; never rebound
+            self.flat_tables[rows * int(off) : rows * int(off + width)].reshape(rows, int(width))
+            for off, width in zip(offsets, widths, strict=True)
+        ]
 
     def write_table(self, g: int, writes: TableWrites) -> None:
         w = writes

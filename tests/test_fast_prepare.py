@@ -15,7 +15,7 @@ import fast
 import spec.flatten
 import spec.slots
 from fast.flatten import flatten
-from fast.kernels.prepare import prepare_triton
+from fast.kernels.prepare import output_sizes, prepare_triton
 from fast.runtime import HAVE_TRITON, interpret
 from fast.slots import gather_block_tables, slot_mapping
 from fast.state import DeviceState
@@ -79,9 +79,13 @@ def test_prepare_kernel_matches_spec(seed: int) -> None:
     dev, arrays, padded = _random_case(seed)
     index_mapping, num_scheduled = arrays["index_mapping"], arrays["num_scheduled"]
     want = _expected(dev, index_mapping, num_scheduled, padded)
+    n = len(index_mapping)
+    size64, size32 = output_sizes(dev, n, padded)
+    # reused buffers, longer than the step needs and stale everywhere: every entry of the step's part is written
+    out64, out32 = torch.full((size64 + 5,), -7, dtype=torch.int64), torch.full((size32 + 3,), -7, dtype=torch.int32)
     with interpret(True):
         out = prepare_triton(
-            dev, _batch_tensor(index_mapping, num_scheduled), len(index_mapping), int(num_scheduled.sum()), padded
+            dev, _batch_tensor(index_mapping, num_scheduled), n, int(num_scheduled.sum()), padded, out64, out32
         )
     for name in ("positions", "input_ids", "seq_lens", "logits_indices"):
         _assert_same(name, getattr(out, name), want[name])
@@ -137,3 +141,53 @@ def test_slots_past_int32_are_exact(mode: bool) -> None:
     assert batch.slot_mappings[0].dtype == torch.int64
     assert batch.slot_mappings[0].tolist() == want
     assert batch.block_tables[0].tolist() == [list(top)]
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+@needs_triton
+@pytest.mark.interpret
+def test_triton_prepare_hands_out_views_of_buffers_allocated_once() -> None:
+    """Triton mode, as host mode: every batch array lives in the pool's persistent buffers, at the same address for
+    every step of the same shape (what a CUDA graph replays), with this step's values (spec's)."""
+    config = WorkerConfig(2, 16, 8, 50, (KVCacheGroup(4, 16), KVCacheGroup(2, 16, sliding_window=4)))
+    first = SchedulerOutput(
+        new_requests=(NewRequest("A", (1, 2, 3), ((1,), (1, 2))), NewRequest("B", (4, 5, 6), ((2,), (3, 4)))),
+        num_scheduled_tokens={"A": 3, "B": 3},
+    )
+    with interpret(True):
+        pools = {"spec": spec.RequestStatePool(config), "fast": fast.RequestStatePool(config, "cpu")}
+        assert not pools["fast"].host_mode
+        addresses: list[list[int]] = []
+        for step in range(3):
+            sched = first if step == 0 else _decode(step)
+            batches = {}
+            for name, pool in pools.items():
+                pool.apply(sched)
+                batches[name] = pool.prepare(sched)
+            got, want = batches["fast"], batches["spec"]
+            arrays = [got.positions, got.input_ids, got.seq_lens, *got.slot_mappings, *got.block_tables]
+            for name in ("positions", "input_ids", "seq_lens", "query_start_loc", "index_mapping"):
+                np.testing.assert_array_equal(getattr(got, name).numpy(), getattr(want, name), err_msg=name)
+            for g in range(2):
+                np.testing.assert_array_equal(got.slot_mappings[g].numpy(), want.slot_mappings[g])
+            addresses.append([t.data_ptr() for t in (*arrays, got.index_mapping)])
+            buffers = pools["fast"]._batch_buffers
+            assert {_storage(t) for t in arrays} == {_storage(buffers.out64), _storage(buffers.out32)}
+            assert _storage(got.index_mapping) == _storage(buffers.batch)
+            for name, pool in pools.items():
+                pool.record_sampled(batches[name], np.array([7, 8]))
+    assert addresses[1] == addresses[2]  # two decode steps of one shape: the same addresses
+
+
+def _decode(step: int) -> SchedulerOutput:
+    """A and B decode one token each (positions 3, then 4, where both groups need a new block)."""
+    from spec.types import CachedRequest
+
+    a_blocks, b_blocks = (((3,), (5,)), ((4,), (6,))) if step == 2 else (None, None)
+    return SchedulerOutput(
+        cached_requests=(CachedRequest("A", 2 + step, a_blocks), CachedRequest("B", 2 + step, b_blocks)),
+        num_scheduled_tokens={"A": 1, "B": 1},
+    )

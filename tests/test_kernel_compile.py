@@ -156,12 +156,16 @@ def _device_state(num_groups: int, num_blocks: int) -> Any:
 
 
 def prepare_launch(num_groups: int, num_blocks: int) -> Launch:
-    from fast.kernels.prepare import prepare_triton
+    from fast.kernels.prepare import output_sizes, prepare_triton
 
     num_reqs = 4
     batch = torch.empty(3 * num_reqs + 1, dtype=torch.int32, device="meta")
+    dev = _device_state(num_groups, num_blocks)
+    size64, size32 = output_sizes(dev, num_reqs, 128)
+    out64 = torch.empty(size64, dtype=torch.int64, device="meta")
+    out32 = torch.empty(size32, dtype=torch.int32, device="meta")
     with captured_launches() as launches:
-        prepare_triton(_device_state(num_groups, num_blocks), batch, num_reqs, 100, 128)
+        prepare_triton(dev, batch, num_reqs, 100, 128, out64, out32)
     return _only(launches)
 
 

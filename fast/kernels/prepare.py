@@ -34,13 +34,22 @@ class PreparedArrays:
     slot_mappings: tuple[torch.Tensor, ...]  # per group [T] int64
 
 
+def output_sizes(dev: DeviceState, num_reqs: int, num_tokens_padded: int) -> tuple[int, int]:
+    """Entries of prepare's int64 and int32 outputs for a step of this shape (prepare_triton's layout)."""
+    return (2 + len(dev.config.kv_groups)) * num_tokens_padded, num_reqs * (2 + dev.total_width)
+
+
 def prepare_triton(
     dev: DeviceState,
     batch_host: torch.Tensor,  # [3 num_reqs + 1] int32 on the device: index_mapping | num_scheduled | query_start_loc
     num_reqs: int,
     num_tokens: int,
     num_tokens_padded: int,
+    out64: torch.Tensor,  # [>= (2 + G) T] int64, reused: positions | input_ids | slot mapping per group
+    out32: torch.Tensor,  # [>= num_reqs (2 + total_width)] int32, reused: seq_lens | logits_indices | tables
 ) -> PreparedArrays:
+    """The batch's arrays, written into the front of `out64` and `out32` (every entry of the step's part
+    written: nothing stale shows) and returned as views of them."""
     if batch_host.dtype != torch.int32 or tuple(batch_host.shape) != (3 * num_reqs + 1,):
         raise ValueError(f"prepare: batch_host must be [{3 * num_reqs + 1}] int32, got {tuple(batch_host.shape)} "
                          f"{batch_host.dtype}")  # fmt: skip
@@ -49,10 +58,12 @@ def prepare_triton(
     if not 0 <= num_tokens <= num_tokens_padded:
         raise ValueError(f"prepare: num_tokens {num_tokens} must be in [0, num_tokens_padded={num_tokens_padded}]")
     groups = len(dev.config.kv_groups)
-    device = dev.device
-    # Two output buffers, carved into contiguous per-array views: two allocations per step.
-    out64 = torch.empty((2 + groups) * num_tokens_padded, dtype=torch.int64, device=device)
-    out32 = torch.empty(num_reqs * (2 + dev.total_width), dtype=torch.int32, device=device)
+    size64, size32 = output_sizes(dev, num_reqs, num_tokens_padded)
+    for name, out, dtype, size in (("out64", out64, torch.int64, size64), ("out32", out32, torch.int32, size32)):
+        if out.dtype != dtype or out.dim() != 1 or out.numel() < size or out.device != dev.device:
+            raise ValueError(f"prepare: {name} must be [>= {size}] {dtype} on {dev.device}, got "
+                             f"{tuple(out.shape)} {out.dtype} on {out.device}")  # fmt: skip
+    out64, out32 = out64[:size64], out32[:size32]  # contiguous per-array views of their fronts
     _prepare_kernel[(num_reqs + 1,)](
         batch_host,
         dev.token_ids,
