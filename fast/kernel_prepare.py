@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from fast.kernels.prepare import output_sizes, prepare_triton
-from fast.runtime import upload_into
+from fast.runtime import interpret, upload_into
 from fast.state import DeviceState
 from spec.state import PoolState
 from spec.types import INDEX_DTYPE, BatchInputs
@@ -27,8 +27,9 @@ class DeviceBatch:
     buffer once, to twice what it needs; nothing else is ever reallocated.
     """
 
-    def __init__(self, dev: DeviceState) -> None:
+    def __init__(self, dev: DeviceState, interpreted: bool) -> None:
         config, device = dev.config, dev.device
+        self.interpreted = interpreted  # the kernel through Triton's interpreter (CPU tensors), as the pool was built
         rows = config.max_num_reqs
         self.batch = torch.zeros(3 * rows + 1, dtype=torch.int32, device=device)  # [3 R + 1] the host's arrays
         size64, size32 = output_sizes(dev, rows, config.max_num_batched_tokens)
@@ -53,7 +54,8 @@ class DeviceBatch:
         # the small host arrays travel in one copy: index_mapping | num_scheduled | query_start_loc
         batch_np = np.concatenate([rows, num_scheduled, [0], cu_num_tokens]).astype(INDEX_DTYPE)
         batch_dev = upload_into(self.batch[: batch_np.size], batch_np)
-        out = prepare_triton(dev, batch_dev, num_reqs, num_tokens, padded, self.out64, self.out32)
+        with interpret(self.interpreted):
+            out = prepare_triton(dev, batch_dev, num_reqs, num_tokens, padded, self.out64, self.out32)
         return BatchInputs(
             req_ids=req_ids,
             index_mapping=batch_dev[:num_reqs],

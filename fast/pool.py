@@ -85,7 +85,7 @@ class RequestStatePool:
         self._block_owner = np.zeros(num_ids, np.int8) if pooled and num_ids <= MAX_OWNER_MAP else None
         # the buffers batches are handed out in, reused from step to step: compiled loops over the mirror's
         # memory in host mode (fast/host_prepare.py), one launch into device buffers under Triton (kernel_prepare.py)
-        self._batch_buffers = HostBatch() if self.host_mode else DeviceBatch(self.dev)
+        self._batch_buffers = HostBatch() if self.host_mode else DeviceBatch(self.dev, self._interpret)
         self._applied: SchedulerOutput | None = None
         self._plan: StepPlan | None = None  # the applied output as validated: all prepare reads of it
         self._prepared: BatchInputs | None = None  # the batch record_sampled may take
@@ -134,7 +134,7 @@ class RequestStatePool:
                 write_prompts(dev.token_ids_np, plan.new_rows, plan.prompt_lens, plan.prompt_tokens)
             if plan.num_drafts is not None:
                 dev.store_tokens(*draft_positions(plan, plan.num_drafts), plan.draft_ids)
-        self.mode.after_commit(plan)  # async: the device corrects what the scheduler counted optimistically
+        self.mode.after_commit(state, plan)  # async: the device corrects what the scheduler counted optimistically
 
     # ---- prepare -----------------------------------------------------------------------------------
     def prepare(self, sched: SchedulerOutput, pad_to: int | None = None) -> BatchInputs:
@@ -148,10 +148,9 @@ class RequestStatePool:
         # [num_reqs] int64 as the host counts (optimistically, under async scheduling: spec/async_steps.py)
         computed = plan.num_computed if order is None else plan.num_computed[order]
         seq_lens = computed + num_scheduled
-        with interpret(self._interpret):  # Triton's kernel runs as the pool was built: compiled or interpreted
-            batch = self._batch_buffers.prepare(
-                self.dev, self.state, req_ids, index_mapping, num_scheduled, cu_num_tokens, padded
-            )
+        batch = self._batch_buffers.prepare(
+            self.dev, self.state, req_ids, index_mapping, num_scheduled, cu_num_tokens, padded
+        )
         drafts = None
         if plan.num_drafts is not None:  # input ids are right already (apply stored the drafts): add the indices
             drafts = batch_drafts(plan.num_drafts, plan.draft_ids, order)  # [num_reqs], [num_drafts] batch order

@@ -32,8 +32,8 @@ class StepMode(Protocol):
         """Why the bulk planner (fast/validate.py) cannot model the step in this mode; None: it can."""
         ...
 
-    def after_commit(self, plan: StepPlan) -> None:
-        """After the host commit: the device learns what the step's output tells of the last record."""
+    def after_commit(self, state: PoolState, plan: StepPlan) -> None:
+        """After the host commit: what the step's output tells of the last record (the device learns it)."""
 
     def batch_fields(
         self,
@@ -73,7 +73,7 @@ class InStep:
     def bulk_fallback(self, state: PoolState, sched: SchedulerOutput) -> Fallback | None:
         return None
 
-    def after_commit(self, plan: StepPlan) -> None:
+    def after_commit(self, state: PoolState, plan: StepPlan) -> None:
         return
 
     def batch_fields(
@@ -127,7 +127,8 @@ class Ahead:
             return Fallback.ASYNC_DRAFTS
         return None
 
-    def after_commit(self, plan: StepPlan) -> None:
+    def after_commit(self, state: PoolState, plan: StepPlan) -> None:
+        state.num_unverified_drafts[:] = 0  # the step after this one is scheduled knowing the verdicts
         replaced = plan.tables[0].rows[plan.tables[0].replaced]  # new and resumed requests' rows
         self.state.commit(plan, plan.rows[~np.isin(plan.rows, replaced)])  # rule 2 on the device
 

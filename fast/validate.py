@@ -60,7 +60,7 @@ def plan_bulk_step(
     block_owner: np.ndarray | None = None,  # [num_blocks] int8 zeros, with one block pool: held_in_two_groups'
 ) -> StepPlan | Fallback:
     config = state.config
-    if not all(feature.plans_in_bulk for feature in features):
+    if features and not all(feature.plans_in_bulk for feature in features):
         return Fallback.FEATURE
     scheduled, new, finished = sched.num_scheduled_tokens, sched.new_requests, sched.finished_req_ids
     if type(scheduled) is not dict or type(new) not in SEQUENCES or type(finished) not in (frozenset, set):
@@ -164,5 +164,7 @@ def plan_bulk_step(
     )
     if config.one_block_pool and len(config.kv_groups) > 1 and held_in_two_groups(state, plan, block_owner):
         return Fallback.ONE_POOL  # plan_step names the first such entry and its holder
+    if not features:
+        return plan
     parts = {f.name: part for f in features if (part := f.plan(state, sched, new_rows, plan)) is not None}
     return dataclasses.replace(plan, features=parts) if parts else plan

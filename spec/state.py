@@ -115,7 +115,6 @@ class PoolState:
             if writes.rows.size:
                 self.write_table(g, writes)
         self.num_computed_tokens[plan.rows] = plan.num_computed
-        self.num_unverified_drafts[:] = 0  # async: the step after this one is scheduled knowing the verdicts
 
     def write_table(self, g: int, writes: TableWrites) -> None:
         """One group's table changes: replaced tables cleared, then every row's ids from its start on.

@@ -110,6 +110,7 @@ class Ahead:
             raise self.late_faults.pop(0).error
 
     def after_commit(self, state: PoolState, sched: SchedulerOutput, plan: StepPlan) -> None:
+        state.num_unverified_drafts[:] = 0  # the step after this one is scheduled knowing the verdicts
         correct_counts(state, sched, plan.freed_rows, self.num_rejected)  # rule 2
 
     def batch_fields(
