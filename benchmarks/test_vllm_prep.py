@@ -47,6 +47,7 @@ import torch
 
 import fast
 import spec
+from benchmarks.harness import record_fallbacks
 from benchmarks.live_workloads import MODELS, LiveWorkload, five_workloads
 from shadow.checker import ShadowChecker
 from shadow.inputs import engine_rows
@@ -248,6 +249,7 @@ def test_vllm_prep_interleaved(benchmark: Any, workload: LiveWorkload) -> None:
         warmup = len(steps)
         benchmark.pedantic(fast_replay.step, setup=setup, rounds=len(steps) * REPLAYS, warmup_rounds=warmup)
         fast_times = [float(t) for t in benchmark.stats.stats.data] if benchmark.stats else []
+        record_fallbacks(benchmark, fast_replay.pool)  # the last pass's steps (each pass starts a fresh pool)
         times = {name: values[warmup:] for name, values in times.items()}
         for name, values in (*times.items(), ("fast", fast_times)):
             if values:
