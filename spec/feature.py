@@ -26,6 +26,7 @@ the core, as in vLLM's input batch.
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
 F = TypeVar("F", bound="Feature")
 
 
-class Feature:
+class Feature(abc.ABC):
     """One model kind's part of the pipeline. A subclass overrides the hooks it needs; the rest do nothing."""
 
     name: ClassVar[str]  # the key of its part in StepPlan.features
@@ -51,17 +52,19 @@ class Feature:
 
     # ---- asked of every feature the project knows, configured or not ----------------------------------------
     @classmethod
+    @abc.abstractmethod
     def configured(cls, config: WorkerConfig) -> bool:
         """The config turns the feature on (a group of its kind, or a flag)."""
-        raise NotImplementedError
 
     @classmethod
     def check_request_fields(cls, new_requests: Sequence[NewRequest], config: WorkerConfig) -> None:
         """Check 1 (InconsistentSchedulerOutputError): the feature's fields of each new request, well formed."""
+        return  # a kind without this part: nothing to do
 
     @classmethod
     def check_request_lengths(cls, new_requests: Sequence[NewRequest], config: WorkerConfig) -> None:
         """Check 7 (ModelLengthError): the lengths the feature's fields give, within the model's."""
+        return  # a kind without this part: nothing to do
 
     @classmethod
     def fields_given(cls, new_requests: Sequence[NewRequest]) -> bool:
@@ -80,6 +83,7 @@ class Feature:
     def read(self, state: PoolState, sched: SchedulerOutput, scheduled: list[ScheduledRequest]) -> None:
         """Before check 7: what the feature's checks and plan need of each scheduled request, read from the pool
         state as it is before the step and kept until the next read. Raises nothing: the checks decide."""
+        return  # a kind without this part: nothing to do
 
     def plan(self, state: PoolState, sched: SchedulerOutput, new_rows: np.ndarray, plan: StepPlan) -> Any:
         """After check 13: the feature's part of the step, frozen (StepPlan.features[name]); None: nothing to keep.
@@ -89,12 +93,13 @@ class Feature:
 
     def commit(self, state: PoolState, plan: StepPlan) -> None:
         """After the core's commit: the feature's per-row state. A freed row's state goes with it."""
+        return  # a kind without this part: nothing to do
 
+    @abc.abstractmethod
     def prepare(self, state: PoolState, plan: StepPlan, batch: BatchInputs, order: np.ndarray | None) -> Any:
         """The feature's record of the batch (one entry of BatchInputs.features), from the core's batch.
 
         `order` [num_reqs] batch_idx -> index in the plan's scheduler order (None: the same order)."""
-        raise NotImplementedError
 
 
 def group_rules(config: WorkerConfig, features: Sequence[Feature]) -> tuple[GroupRules, ...]:

@@ -9,6 +9,7 @@ states) supplies its own rules for them, subclassing these where only some rules
 
 from __future__ import annotations
 
+import abc
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -23,33 +24,34 @@ if TYPE_CHECKING:
     from spec.state import PoolState
 
 
-class GroupRules:
+class GroupRules(abc.ABC):
     """The rules of group g's table, one method per numbered check (spec/validate.py), each for one request."""
 
+    @abc.abstractmethod
     def check_ids(self, state: PoolState, s: ScheduledRequest, g: int) -> None:
         """9: the ids of s's table in group g."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def held_ids(self, state: PoolState, s: ScheduledRequest, g: int) -> np.ndarray:
         """9, with one block pool: the ids s holds in group g after the step (no other group may hold them)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def check_size(self, state: PoolState, s: ScheduledRequest, g: int) -> None:
         """10: the table fits its width."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def check_present(self, state: PoolState, s: ScheduledRequest, g: int) -> None:
         """11: every block the step needs is in the table."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def check_not_null(self, state: PoolState, s: ScheduledRequest, g: int) -> None:
         """12: the step neither writes nor reads through the null block."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def written(self, state: PoolState, s: ScheduledRequest, g: int) -> np.ndarray:
         """13: what the step writes in group g, as int64 keys no two requests may share (slots, or state blocks)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def token_slots(
         self,
         table: np.ndarray,  # [R, max_blocks_per_req(g)] req_state_idx -> physical block ids
@@ -58,7 +60,6 @@ class GroupRules:
         block_size: int,
     ) -> np.ndarray:
         """prepare: `slot_mappings[g]`, [T] int64, the slot each token's KV goes to in group g (PAD for padding)."""
-        raise NotImplementedError
 
 
 class AttentionRules(GroupRules):
