@@ -172,7 +172,7 @@ def _check_cached_group(  # pragma: no cover - compiled; tested through plan_bul
     id_limit: int,  # appended ids must be < this (num_blocks, and int32 for the tables)
     block_size: int,
     window: int,  # sliding window, 0 for none
-    released_tails: np.ndarray,  # [R] last released entry per row (last_released_entries), or empty: scan
+    released_tails: np.ndarray,  # [R] last released entry per row (fast/released.py), or empty: scan
     app_counts: np.ndarray,  # [a] int64 out: each appending row's filled entries before the step
     written: np.ndarray,  # [w] int64 out: the physical block of every (request, block) the step writes
 ) -> bool:

@@ -56,7 +56,7 @@ def plan_bulk_step(
     state: PoolState,
     sched: SchedulerOutput,
     features: Sequence[Feature] = (),  # the pool's model-kind features (spec.model_kinds.features_for)
-    released_tails: list[np.ndarray | None] | None = None,  # per group [R]: last_released_entries, or None: scan
+    released_tails: list[np.ndarray | None] | None = None,  # per group [R]: fast/released.py's tails, or None: scan
     block_owner: np.ndarray | None = None,  # [num_blocks] int8 zeros, with one block pool: held_in_two_groups'
 ) -> StepPlan | Fallback:
     config = state.config
