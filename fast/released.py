@@ -46,7 +46,7 @@ def _last_released(  # pragma: no cover - compiled; tested through the pool agai
     num_blocks: np.ndarray,  # [R] int64 filled entries per row
     rows: np.ndarray,  # [k] int64 req_state_idx
 ) -> np.ndarray:
-    """[k] int64: for each row, its last filled entry that is released (null, or its id held again further on), or -1."""
+    """[k] int64: each row's last released entry (null, or its id held again further on), or -1."""
     out = np.full(rows.shape[0], -1, np.int64)  # [k]
     for i in range(rows.shape[0]):
         filled = table[rows[i], : num_blocks[rows[i]]]
