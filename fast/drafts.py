@@ -4,20 +4,21 @@ apply writes each drafting request's drafts into the token storage just past its
 Triton as token ops of apply's one launch, fast/writes.py), as vLLM v1 writes spec tokens into
 token_ids_cpu, so prepare reads them as input ids like any other token. They are not known tokens:
 snapshot never shows them, and record_sampled's accepted tokens (or the next step's drafts) overwrite
-them. The plan holds the drafts in scheduler order; the batch and the sampler need them in batch order.
+them. The plan holds the drafts in scheduler order; the batch and the sampler need them in batch order
+(SamplerFields).
 """
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import numpy as np
 import torch
+from numba import njit
 
 from fast.runtime import upload
-from spec.drafts import DraftLogits
-from spec.state import StepPlan, ranges
-from spec.types import INDEX_DTYPE
+from spec.state import StepPlan
 
 
 def draft_columns(plan: StepPlan, num_drafts: np.ndarray) -> np.ndarray:
@@ -29,34 +30,108 @@ def draft_columns(plan: StepPlan, num_drafts: np.ndarray) -> np.ndarray:
     return plan.num_computed + plan.num_scheduled - num_drafts
 
 
-def draft_positions(plan: StepPlan, num_drafts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """([num_drafts] req_state_idx, [num_drafts] position) of every draft of the plan, in its order."""
-    drafting = np.flatnonzero(num_drafts)  # [d] scheduler order
-    which, within = ranges(num_drafts[drafting])  # [num_drafts] each draft's request, its index there
-    return plan.rows[drafting][which], draft_columns(plan, num_drafts)[drafting][which] + within
+def store_drafts(token_ids: np.ndarray, plan: StepPlan, num_drafts: np.ndarray) -> None:
+    """Host mode: every draft of the plan into the token storage [R, capacity] (reserved), in one compiled pass."""
+    _store_drafts(token_ids, plan.rows, plan.num_computed, plan.num_scheduled, num_drafts, plan.draft_ids)
 
 
-def batch_drafts(
-    num_drafts: np.ndarray,  # [n] scheduler order
+@njit(cache=True, nogil=True)
+def _store_drafts(  # pragma: no cover - compiled; tested through the pool against spec
+    token_ids: np.ndarray,  # [R, capacity] int32 the token storage
+    rows: np.ndarray,  # [n] int64 scheduler order -> req_state_idx
+    num_computed: np.ndarray,  # [n] int64 scheduler order
+    num_scheduled: np.ndarray,  # [n] int64 scheduler order
+    num_drafts: np.ndarray,  # [n] int64 scheduler order
     draft_ids: np.ndarray,  # [sum(num_drafts)] scheduler order
-    order: np.ndarray | None,  # [n] batch_idx -> scheduler order index, or None: the same order
-) -> tuple[np.ndarray, np.ndarray]:
-    """(num_drafts [num_reqs], draft ids [sum]) in batch order."""
-    if order is None:
-        return num_drafts, draft_ids
-    counts = num_drafts[order]  # [num_reqs]
-    starts = (np.cumsum(num_drafts) - num_drafts)[order]  # [num_reqs] where each row's drafts begin in draft_ids
-    which, within = ranges(counts)
-    return counts, draft_ids[starts[which] + within]
+) -> None:
+    at = 0
+    for i in range(rows.shape[0]):
+        column = num_computed[i] + num_scheduled[i] - num_drafts[i]  # draft_columns: the step ends at its last draft
+        for j in range(num_drafts[i]):
+            token_ids[rows[i], column + j] = draft_ids[at + j]
+        at += num_drafts[i]
 
 
-def sampler_tensors(sampler: DraftLogits, device: torch.device) -> dict[str, Any]:
-    """The sampler's indices as BatchInputs fields: the int32 ones in one host->device copy, the ids in another."""
-    int32 = [sampler.logits_indices, sampler.num_draft_tokens, sampler.cu_num_draft_tokens,
-             sampler.target_logits_indices, sampler.bonus_logits_indices]  # fmt: skip
-    packed = upload(np.concatenate(int32).astype(INDEX_DTYPE), device)
-    ends = np.cumsum([a.size for a in int32]).tolist()
-    parts = [packed[end - a.size : end] for a, end in zip(int32, ends, strict=True)]
-    names = ("logits_indices", "num_draft_tokens", "cu_num_draft_tokens", "target_logits_indices",
-             "bonus_logits_indices")  # fmt: skip
-    return dict(zip(names, parts, strict=True)) | {"draft_token_ids": upload(sampler.draft_token_ids, device)}
+class SamplerFields:
+    """A drafting step's sampler fields, built in one compiled pass into buffers the pool reuses.
+
+    spec.drafts.draft_logits is the definition; here the batch order, the logits rows and the draft ids
+    are written together, row by row, instead of a dozen NumPy calls over the step (each a few microseconds,
+    the larger part of a drafting step's prepare). As the batch's other arrays, the tensors handed out view
+    these buffers (on CPU) and are valid until the next prepare.
+    """
+
+    def __init__(self) -> None:
+        self._out32 = np.zeros(0, np.int32)  # logits | num_draft_tokens | cu_num_draft_tokens | target | bonus
+        self._out64 = np.zeros(0, np.int64)  # draft_token_ids | num_drafts [num_reqs] (record_sampled's copy)
+        self._fields: dict[str, Any] = {}  # the last step's tensors
+        self._key: tuple[int, ...] | None = None  # on CPU: the shape and buffers _fields view
+
+    def build(
+        self,
+        cu_num_tokens: np.ndarray,  # [num_reqs] int64 batch order: each row's end in the flat tokens
+        num_drafts: np.ndarray,  # [num_reqs] int64 scheduler order
+        draft_ids: np.ndarray,  # [num_drafts] scheduler order
+        order: np.ndarray | None,  # [num_reqs] batch_idx -> scheduler index; None: the same order
+        device: torch.device,
+    ) -> tuple[dict[str, Any], tuple[np.ndarray, np.ndarray]]:
+        """(the BatchInputs fields, (num_drafts [num_reqs] int64, draft ids [num_drafts] int64) in batch order)."""
+        n, d = num_drafts.shape[0], draft_ids.shape[0]
+        if self._out32.shape[0] < 4 * n + 2 * d:
+            self._out32 = np.zeros(2 * (4 * n + 2 * d), np.int32)
+        if self._out64.shape[0] < n + d:
+            self._out64 = np.zeros(2 * (n + d), np.int64)
+        out32, out64 = self._out32[: 4 * n + 2 * d], self._out64[: n + d]
+        _sampler_fields(cu_num_tokens, num_drafts, draft_ids, _IDENTITY if order is None else order, out32, out64)
+        key = (n, d, self._out32.ctypes.data, self._out64.ctypes.data)
+        if device.type != "cpu" or key != self._key:  # on CPU the tensors view the buffers: same shape, same views
+            packed32, packed64 = upload(out32, device), upload(out64, device)
+            ends = list(itertools.accumulate((n + d, n, n, d, n)))
+            self._fields = {
+                "logits_indices": packed32[: ends[0]],
+                "num_draft_tokens": packed32[ends[0] : ends[1]],
+                "cu_num_draft_tokens": packed32[ends[1] : ends[2]],
+                "target_logits_indices": packed32[ends[2] : ends[3]],
+                "bonus_logits_indices": packed32[ends[3] : ends[4]],
+                "draft_token_ids": packed64[:d],
+            }
+            self._key = key if device.type == "cpu" else None
+        fields = self._fields
+        return fields, (out64[d:], out64[:d])
+
+
+_IDENTITY = np.zeros(0, np.int64)
+
+
+@njit(cache=True, nogil=True)
+def _sampler_fields(  # pragma: no cover - compiled; tested through the pool against spec's draft_logits
+    cu_num_tokens: np.ndarray,  # [n] int64 batch order
+    num_drafts: np.ndarray,  # [n] int64 scheduler order
+    draft_ids: np.ndarray,  # [d] scheduler order
+    order: np.ndarray,  # [n] int64 batch_idx -> scheduler index, or empty: the same order
+    out32: np.ndarray,  # [4n + 2d] int32 out: logits [n + d] | num_draft_tokens [n] | cu [n] | target [d] | bonus [n]
+    out64: np.ndarray,  # [n + d] int64 out: draft_token_ids [d] | num_drafts [n], batch order
+) -> None:
+    n, d = num_drafts.shape[0], draft_ids.shape[0]
+    first_draft = np.empty(n, np.int64)  # [n] scheduler order: where each request's drafts start in draft_ids
+    total = 0
+    for s in range(n):
+        first_draft[s] = total
+        total += num_drafts[s]
+    counts, cu, target, bonus = n + d, 2 * n + d, 3 * n + d, 3 * n + 2 * d
+    logits_row = drafts_done = 0
+    for b in range(n):
+        s = order[b] if order.shape[0] else b
+        k = num_drafts[s]
+        end = cu_num_tokens[b]
+        for j in range(k + 1):  # the row's last k + 1 tokens: its drafts' targets, then the bonus token
+            out32[logits_row + j] = end - (k + 1) + j
+        for j in range(k):
+            out32[target + drafts_done + j] = logits_row + j
+            out64[drafts_done + j] = draft_ids[first_draft[s] + j]
+        out32[bonus + b] = logits_row + k
+        drafts_done += k
+        out32[counts + b] = k
+        out32[cu + b] = drafts_done
+        out64[d + b] = k
+        logits_row += k + 1

@@ -10,6 +10,8 @@ the same shape as an earlier one gets the same addresses, which is what a captur
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -45,6 +47,7 @@ class DeviceBatch:
         num_scheduled: np.ndarray,  # [num_reqs] int64 batch order
         cu_num_tokens: np.ndarray,  # [num_reqs] int64
         padded: int,
+        sampler: dict[str, Any],  # a drafting step's sampler fields (fast/drafts.py), logits_indices included; or {}
     ) -> BatchInputs:
         num_reqs = len(req_ids)
         num_tokens = int(cu_num_tokens[-1]) if num_reqs else 0
@@ -56,6 +59,7 @@ class DeviceBatch:
         batch_dev = upload_into(self.batch[: batch_np.size], batch_np)
         with interpret(self.interpreted):
             out = prepare_triton(dev, batch_dev, num_reqs, num_tokens, padded, self.out64, self.out32)
+        fields = {"logits_indices": out.logits_indices} | sampler
         return BatchInputs(
             req_ids=req_ids,
             index_mapping=batch_dev[:num_reqs],
@@ -64,9 +68,9 @@ class DeviceBatch:
             positions=out.positions,
             input_ids=out.input_ids,
             seq_lens=out.seq_lens,
-            logits_indices=out.logits_indices,
             block_tables=out.block_tables,
             slot_mappings=out.slot_mappings,
             num_tokens=num_tokens,
             num_tokens_padded=padded,
+            **fields,
         )

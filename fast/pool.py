@@ -32,13 +32,13 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 from operator import itemgetter
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
 from fast.batch import batch_order
-from fast.drafts import batch_drafts, draft_columns, draft_positions, sampler_tensors
+from fast.drafts import SamplerFields, store_drafts
 from fast.fallback import Fallback
 from fast.feature import Placement
 from fast.host_prepare import HostBatch
@@ -50,7 +50,6 @@ from fast.state import DeviceState, HostMirror, write_prompts
 from fast.step_modes import host_array, step_mode
 from fast.validate import MAX_OWNER_MAP, plan_bulk_step
 from fast.writes import apply_writes, step_writes
-from spec.drafts import draft_logits
 from spec.errors import InconsistentSchedulerOutputError, UnknownRequestError
 from spec.feature import Feature, find
 from spec.pool import check_last_applied, padded_tokens
@@ -86,6 +85,7 @@ class RequestStatePool:
         # the buffers batches are handed out in, reused from step to step: compiled loops over the mirror's
         # memory in host mode (fast/host_prepare.py), one launch into device buffers under Triton (kernel_prepare.py)
         self._batch_buffers = HostBatch() if self.host_mode else DeviceBatch(self.dev, self._interpret)
+        self._sampler = SamplerFields()  # a drafting step's sampler fields (fast/drafts.py)
         self._applied: SchedulerOutput | None = None
         self._plan: StepPlan | None = None  # the applied output as validated: all prepare reads of it
         self._prepared: BatchInputs | None = None  # the batch record_sampled may take
@@ -119,7 +119,7 @@ class RequestStatePool:
         state, dev = self.state, self.dev
         longest = int(plan.prompt_lens.max()) if plan.prompt_lens.size else 0
         if plan.num_drafts is not None:  # drafts go past the known tokens: room for them too
-            longest = max(longest, int((draft_columns(plan, plan.num_drafts) + plan.num_drafts).max()))
+            longest = max(longest, int((plan.num_computed + plan.num_scheduled).max()))  # past each last draft
         dev.reserve_tokens(longest)
         writes = None if self.host_mode else step_writes(state, plan)  # needs the mirror as it was
         state.commit(plan)
@@ -133,7 +133,7 @@ class RequestStatePool:
             if plan.new_rows.size:
                 write_prompts(dev.token_ids_np, plan.new_rows, plan.prompt_lens, plan.prompt_tokens)
             if plan.num_drafts is not None:
-                dev.store_tokens(*draft_positions(plan, plan.num_drafts), plan.draft_ids)
+                store_drafts(dev.token_ids_np, plan, plan.num_drafts)
         self.mode.after_commit(state, plan)  # async: the device corrects what the scheduler counted optimistically
 
     # ---- prepare -----------------------------------------------------------------------------------
@@ -148,14 +148,13 @@ class RequestStatePool:
         # [num_reqs] int64 as the host counts (optimistically, under async scheduling: spec/async_steps.py)
         computed = plan.num_computed if order is None else plan.num_computed[order]
         seq_lens = computed + num_scheduled
-        batch = self._batch_buffers.prepare(
-            self.dev, self.state, req_ids, index_mapping, num_scheduled, cu_num_tokens, padded
-        )
+        sampler: dict[str, Any] = {}
         drafts = None
         if plan.num_drafts is not None:  # input ids are right already (apply stored the drafts): add the indices
-            drafts = batch_drafts(plan.num_drafts, plan.draft_ids, order)  # [num_reqs], [num_drafts] batch order
-            sampler = draft_logits(np.concatenate([[0], cu_num_tokens]), *drafts)
-            batch = dataclasses.replace(batch, **sampler_tensors(sampler, self.device))
+            sampler, drafts = self._sampler.build(cu_num_tokens, plan.num_drafts, plan.draft_ids, order, self.device)
+        batch = self._batch_buffers.prepare(
+            self.dev, self.state, req_ids, index_mapping, num_scheduled, cu_num_tokens, padded, sampler
+        )
         if self.features:  # the model kind's records of the batch (fast/feature.py)
             records = tuple(f.prepare(self.state, plan, batch, order) for f in self.features)
             batch = dataclasses.replace(batch, features=records)
