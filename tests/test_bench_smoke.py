@@ -151,7 +151,8 @@ def _fake_results(path: Path) -> None:
         bench("host_step_interleaved", "decode-8", 8, "fast", 3e-3, reference_median=2e-3),
         bench("host_step_interleaved", "decode-64", 64, "fast", 1e-3, reference_median=2e-3),
     ]
-    machine = {"node": "testbox", "processor": "x86_64", "cpu": {"brand_raw": "Test CPU"}, "python_version": "3.11"}
+    cpu = {"brand_raw": "Test CPU", "flags": ["sse2", "avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"]}
+    machine = {"node": "testbox", "processor": "x86_64", "cpu": cpu, "python_version": "3.11"}
     path.write_text(json.dumps({"machine_info": machine, "datetime": "2026-01-01T00:00:00", "benchmarks": benchmarks}))
 
 
@@ -164,12 +165,21 @@ def test_results_page_renders_medians_and_ratios(tmp_path: Path) -> None:
     render([results], page, tmp_path / "img")
     text = page.read_text()
     assert "Test CPU" in text
+    assert "CPU features: vector avx2, avx512f, avx512_bf16; matrix (AMX) amx_tile, amx_bf16" in text
     assert "4.00 ms" in text and "1.00 ms" in text  # medians of decode-8
     assert "4.00×" in text  # spec / numpy-vectorised at decode-8: 4e-3 / 1e-3
     assert "8.00×" in text  # python-lists / numpy-vectorised at decode-8
     assert "3.00×" in text  # spec / numpy-vectorised at decode-64: 6e-3 / 2e-3
     assert list((tmp_path / "img").glob("*host_step.png"))
     assert "### Targets" in text and "issue" not in text.lower()  # targets are named by what they measure
+
+
+def test_cpu_features_state_amx_either_way() -> None:
+    from slotmap.bench.page import cpu_features
+
+    no_amx = cpu_features(["avx2", "fma", "avx512f", "avx512_vnni"])
+    assert no_amx == "vector avx2, fma, avx512f, avx512_vnni; matrix (AMX) none"
+    assert cpu_features(["sse2"]).startswith("vector none of avx2") and cpu_features([]) == "not recorded"
 
 
 def test_a_stage_the_renderer_does_not_know_is_rendered_as_recorded(tmp_path: Path) -> None:

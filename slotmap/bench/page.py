@@ -229,6 +229,7 @@ def render(json_paths: list[Path], page: Path, img_dir: Path) -> None:
             + (f"; load average at start {loadavg[0]:.1f} (other work inflates times)" if loadavg else "")
             + (f"; GPU: {info['cuda_device']}" if info.get("cuda_device") else "")
         )
+        lines.append(f"- CPU features: {cpu_features(cpu.get('flags', []))}")
         if data.get("slotmap_command"):
             lines.append(f"- command: `{data['slotmap_command']}`")
         lines += [
@@ -251,6 +252,23 @@ def render(json_paths: list[Path], page: Path, img_dir: Path) -> None:
                 lines += _stage_section(machine, stage, what, base, stage_results, img_dir, page)
     page.parent.mkdir(parents=True, exist_ok=True)
     page.write_text("\n".join(lines).rstrip() + "\n")
+
+
+# the vector and matrix units a CPU kernel's speed depends on, as /proc/cpuinfo (and py-cpuinfo) name them
+VECTOR_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx512_fp16")
+MATRIX_FLAGS = ("amx_tile", "amx_bf16", "amx_int8", "amx_fp16")
+
+
+def cpu_features(flags: list[str]) -> str:
+    """The run's vector and matrix features, from the CPU flags pytest-benchmark saved: AMX stated either way."""
+    have = set(flags)
+    if not have:
+        return "not recorded"
+    vector = [f for f in VECTOR_FLAGS if f in have]
+    matrix = [f for f in MATRIX_FLAGS if f in have]
+    return f"vector {', '.join(vector) or 'none of ' + ', '.join(VECTOR_FLAGS)}; matrix (AMX) " + (
+        ", ".join(matrix) if matrix else "none"
+    )
 
 
 def _trims(data: dict[str, Any]) -> list[str]:
