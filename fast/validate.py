@@ -38,6 +38,7 @@ from fast.bulk_checks import (
     check_group,
     check_new_requests,
     check_progress,
+    counts_in_budget,
     has_repeats,
     held_in_two_groups,
     merge,
@@ -83,7 +84,7 @@ def plan_bulk_step(
     if len(keys) != n + num_new:
         return Fallback.REQUEST_SET
     num_scheduled = np.array(counts_in, np.int64)  # [n + k] scheduler order
-    if num_scheduled.min() < 1 or num_scheduled.sum() > config.max_num_batched_tokens:
+    if not counts_in_budget(num_scheduled, config.max_num_batched_tokens):
         return Fallback.BUDGET
     new_ids = [r.req_id for r in new] if num_new else []
     # the position of each cached and each new request among the scheduled ones
