@@ -32,23 +32,21 @@ def draft_columns(plan: StepPlan, num_drafts: np.ndarray) -> np.ndarray:
 
 def store_drafts(token_ids: np.ndarray, plan: StepPlan, num_drafts: np.ndarray) -> None:
     """Host mode: every draft of the plan into the token storage [R, capacity] (reserved), in one compiled pass."""
-    _store_drafts(token_ids, plan.rows, plan.num_computed, plan.num_scheduled, num_drafts, plan.draft_ids)
+    _store_drafts(token_ids, plan.rows, draft_columns(plan, num_drafts), num_drafts, plan.draft_ids)
 
 
 @njit(cache=True, nogil=True)
 def _store_drafts(  # pragma: no cover - compiled; tested through the pool against spec
     token_ids: np.ndarray,  # [R, capacity] int32 the token storage
     rows: np.ndarray,  # [n] int64 scheduler order -> req_state_idx
-    num_computed: np.ndarray,  # [n] int64 scheduler order
-    num_scheduled: np.ndarray,  # [n] int64 scheduler order
+    columns: np.ndarray,  # [n] int64 scheduler order: where each request's drafts start (draft_columns)
     num_drafts: np.ndarray,  # [n] int64 scheduler order
     draft_ids: np.ndarray,  # [sum(num_drafts)] scheduler order
 ) -> None:
     at = 0
     for i in range(rows.shape[0]):
-        column = num_computed[i] + num_scheduled[i] - num_drafts[i]  # draft_columns: the step ends at its last draft
         for j in range(num_drafts[i]):
-            token_ids[rows[i], column + j] = draft_ids[at + j]
+            token_ids[rows[i], columns[i] + j] = draft_ids[at + j]
         at += num_drafts[i]
 
 
