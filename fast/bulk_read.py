@@ -14,8 +14,9 @@ from itertools import chain, islice
 from typing import Any
 
 import numpy as np
+from numba import njit
 
-from spec.state import PoolState, ranges
+from spec.state import PoolState
 from spec.types import CachedRequest, CachedRequestColumns
 
 SEQUENCES = (tuple, list)
@@ -43,26 +44,53 @@ def read_drafts(
     if joined is None:
         return None
     lengths, ids = joined
-    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
-        return None
     if not ids.size:  # every request lists no drafts: a step without drafts
         return (None, NO_TOKENS) if set(draft_keys) <= set(keys) else None
-    num_drafts = np.zeros(len(keys), np.int64)  # [n] scheduler order
     if draft_keys == keys:  # every scheduled request drafts, in the scheduler's order
-        num_drafts[:] = lengths
-        return num_drafts, ids
-    index = scheduler_index(keys)
-    try:
-        at = np.fromiter(map(index.__getitem__, draft_keys), np.int64, len(draft_keys))  # not scheduled: KeyError
-    except (KeyError, TypeError):
+        at = np.arange(len(keys), dtype=np.int64)
+    else:
+        index = scheduler_index(keys)
+        try:
+            at = np.fromiter(map(index.__getitem__, draft_keys), np.int64, len(draft_keys))  # unscheduled: KeyError
+        except (KeyError, TypeError):
+            return None
+    num_drafts = np.zeros(len(keys), np.int64)  # [n] scheduler order
+    ordered = np.empty_like(ids)  # [sum] the ids in the scheduler's order
+    if not _drafts_in_order(at, lengths, ids, vocab_size, num_drafts, ordered):
         return None
-    num_drafts[at] = lengths
-    if (at[1:] > at[:-1]).all():  # listed in the scheduler's order: the ids are too
-        return num_drafts, ids
-    order = np.argsort(at)  # the listed requests in the scheduler's order
-    starts = np.cumsum(lengths) - lengths
-    which, within = ranges(lengths[order])
-    return num_drafts, ids[starts[order][which] + within]
+    return num_drafts, ordered
+
+
+@njit(cache=True, nogil=True)
+def _drafts_in_order(  # pragma: no cover - compiled; tested through plan_bulk_step against plan_step
+    at: np.ndarray,  # [m] int64 each listed request's index in the scheduler order (distinct: dict keys)
+    lengths: np.ndarray,  # [m] int64 its drafts
+    ids: np.ndarray,  # [sum(lengths)] int32 the drafts as listed
+    vocab_size: int,
+    num_drafts: np.ndarray,  # [n] int64 out (zeros in): drafts of each scheduled request
+    ordered: np.ndarray,  # [sum(lengths)] int32 out: the drafts in the scheduler's order
+) -> bool:
+    """Check 6 of the draft ids (in the vocabulary), and the drafts moved into the scheduler's order."""
+    for j in range(ids.shape[0]):
+        if ids[j] < 0 or ids[j] >= vocab_size:
+            return False
+    first = np.empty(at.shape[0], np.int64)  # [m] where each listed request's drafts begin in `ids`
+    start = 0
+    for i in range(at.shape[0]):
+        num_drafts[at[i]] = lengths[i]
+        first[i] = start
+        start += lengths[i]
+    source = np.full(num_drafts.shape[0], -1, np.int64)  # [n] scheduler index -> listed index, -1: not listed
+    for i in range(at.shape[0]):
+        source[at[i]] = i
+    out = 0
+    for s in range(num_drafts.shape[0]):
+        i = source[s]
+        if i >= 0:
+            for j in range(lengths[i]):
+                ordered[out + j] = ids[first[i] + j]
+            out += lengths[i]
+    return True
 
 
 def read_cached(cached: Any) -> tuple[list[str], Any, list[Any] | None] | None:
