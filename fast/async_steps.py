@@ -73,22 +73,19 @@ class AheadState:
         draft_ids: np.ndarray,  # [sum(num_drafts)] batch order
         sampled: torch.Tensor,  # [n] or [n, width] integer ids, on the device
     ) -> None:
-        taking = np.flatnonzero(takes)  # [m] batch_idx
-        taking_rows, k = rows[taking], num_drafts[taking]  # [m], [m]
-        state.sampled_in[:] = -1
-        state.sampled_in[taking_rows] = taking
-        state.num_unverified_drafts[taking_rows] = k
-        if not taking.size:
+        m = int(np.count_nonzero(takes))
+        taking, taking_rows, k, starts = (np.empty(m, np.int64) for _ in range(4))  # [m] each
+        own_drafts = np.empty(int(num_drafts[takes].sum()) if m else 0, draft_ids.dtype)  # [sum(k)] batch order
+        longest, most_drafts = _bookkeep(takes, rows, num_drafts, draft_ids, state.sampled_in,
+                                         state.num_unverified_drafts, state.num_known_tokens, taking, taking_rows, k,
+                                         starts, own_drafts)  # fmt: skip
+        if not m:
             return
         one_per_row = sampled.ndim < 2
         tokens = sampled.reshape(rows.size, -1)
-        width = max(int(tokens.shape[1]), 1 + int(k.max()))  # a row writes its ids, or 1 + k placeholders
-        self.dev.reserve_tokens(int(state.num_known_tokens[taking_rows].max()) + width)
-        state.num_known_tokens[taking_rows] += 1 + k  # the scheduler's count: every draft assumed accepted
-        starts = (np.cumsum(num_drafts) - num_drafts)[taking]  # [m] each taking row's first draft in draft_ids
-        own_drafts = draft_ids[np.repeat(takes, num_drafts)]  # [sum(k)] the taking rows' drafts, batch order
+        self.dev.reserve_tokens(longest + max(int(tokens.shape[1]), 1 + most_drafts))  # ids, or 1 + k placeholders
         if self.host_mode:
-            copy = self._record_host(tokens, taking, taking_rows, k, draft_ids.astype(np.int64), starts, one_per_row)
+            copy = self._record_host(tokens, taking, taking_rows, k, draft_ids, starts, one_per_row)
         else:
             copy = self._record_device(tokens, taking, taking_rows, k, draft_ids, starts, one_per_row)
         self.in_flight.append(_Record(applied_steps, req_ids, taking, taking_rows, k, own_drafts, one_per_row, copy))
@@ -99,11 +96,12 @@ class AheadState:
         taking: np.ndarray,  # [m] int64 batch_idx
         rows: np.ndarray,  # [m] int64 req_state_idx
         k: np.ndarray,  # [m] int64 drafts
-        draft_ids: np.ndarray,  # [sum(drafts of the batch)] int64
+        draft_ids: np.ndarray,  # [sum(drafts of the batch)] integer
         starts: np.ndarray,  # [m] int64 each row's first draft
         one_per_row: bool,
     ) -> HostCopy:
         ids = tokens.numpy().astype(np.int64, copy=False)
+        draft_ids = draft_ids.astype(np.int64, copy=False)
         m = taking.size
         written, known, faults = np.empty(m, np.int64), np.empty(m, np.int64), np.empty(m, np.int32)
         store = self.dev.token_ids_np
@@ -165,12 +163,9 @@ class AheadState:
         while self.in_flight and self.in_flight[0].at + REPORTED_AFTER <= applied_steps:
             record = self.in_flight.pop(0)
             written, known, faults, tokens = record.copy.wait()
-            rejected = 1 + record.num_drafts - written  # [m]
-            held = ~np.isin(record.rows, _EMPTY if record.freed is None else record.freed)  # [m] same owner
-            state.num_known_tokens[record.rows[held]] -= rejected[held]
+            freed = _EMPTY if record.freed is None else record.freed
+            by_row = _learn_verdicts(record.rows, record.num_drafts, written, freed, state.num_known_tokens)  # [R]
             if not self.host_mode and record.continuing is not None:  # host mode corrected the shared array
-                by_row = np.zeros(self.config.max_num_reqs, np.int64)
-                by_row[record.rows[held]] = rejected[held]
                 state.num_computed_tokens[record.continuing] -= by_row[record.continuing]
             if faults.any():
                 raise self._fault(record, tokens, known)
@@ -247,3 +242,97 @@ def _record_compiled(  # pragma: no cover - compiled; tested through record_samp
         written[i] = n
         num_known[row] = known + n
         num_rejected[row] = 1 + k - n
+
+
+@njit(cache=True, nogil=True)
+def _bookkeep(  # pragma: no cover - compiled; tested through record_sampled against spec
+    takes: np.ndarray,  # [n] bool: the batch rows that reached their last input
+    rows: np.ndarray,  # [n] int64 batch_idx -> req_state_idx
+    num_drafts: np.ndarray,  # [n] int64 drafts of each batch row
+    draft_ids: np.ndarray,  # [sum(num_drafts)] batch order
+    sampled_in: np.ndarray,  # [R] int64 out: the batch_idx each row sampled in, -1 for none
+    num_unverified: np.ndarray,  # [R] int64 out: drafts whose verdict is unread
+    num_known: np.ndarray,  # [R] int64: the scheduler's (optimistic) count, advanced by 1 + k for every taking row
+    taking: np.ndarray,  # [m] int64 out: batch_idx of the taking rows
+    taking_rows: np.ndarray,  # [m] int64 out: their req_state_idx
+    k: np.ndarray,  # [m] int64 out: their drafts
+    starts: np.ndarray,  # [m] int64 out: each one's first draft in draft_ids
+    own_drafts: np.ndarray,  # [sum(k)] out: the taking rows' drafts, batch order
+) -> tuple[int, int]:
+    """The host's side of a record under async scheduling (spec/async_steps.py, rule 1), one pass: (the longest
+    known length of a taking row before the step, the most drafts of one)."""
+    sampled_in[:] = -1
+    i = at = own = longest = most = 0
+    for b in range(takes.shape[0]):
+        if takes[b]:
+            row = rows[b]
+            taking[i], taking_rows[i], k[i], starts[i] = b, row, num_drafts[b], at
+            sampled_in[row] = b
+            num_unverified[row] = num_drafts[b]
+            longest = max(longest, num_known[row])
+            most = max(most, num_drafts[b])
+            num_known[row] += 1 + num_drafts[b]
+            for j in range(num_drafts[b]):
+                own_drafts[own + j] = draft_ids[at + j]
+            own += num_drafts[b]
+            i += 1
+        at += num_drafts[b]
+    return longest, most
+
+
+@njit(cache=True, nogil=True)
+def _learn_verdicts(  # pragma: no cover - compiled; tested through record_sampled against spec
+    rows: np.ndarray,  # [m] int64 the record's taking rows
+    num_drafts: np.ndarray,  # [m] int64 their drafts
+    written: np.ndarray,  # [m] int64 tokens each kept (1 + k after a fault: nothing is kept then)
+    freed: np.ndarray,  # [f] int64 rows freed since the record: their counts left with their requests
+    num_known: np.ndarray,  # [R] int64 the mirror's count, corrected here
+) -> np.ndarray:
+    """The mirror learns a record's rejections: [R] int64 each held row's rejected drafts (0 elsewhere)."""
+    by_row = np.zeros(num_known.shape[0], np.int64)
+    gone = np.zeros(num_known.shape[0], np.bool_)
+    for row in freed:
+        gone[row] = True
+    for i in range(rows.shape[0]):
+        if not gone[rows[i]]:
+            rejected = 1 + num_drafts[i] - written[i]
+            num_known[rows[i]] -= rejected
+            by_row[rows[i]] = rejected
+    return by_row
+
+
+@njit(cache=True, nogil=True)
+def without(values: np.ndarray, excluded: np.ndarray, num_rows: int) -> np.ndarray:  # pragma: no cover - compiled
+    """values [n] (req_state_idx) not among excluded [e], in order: np.isin's answer in one pass."""
+    drop = np.zeros(num_rows, np.bool_)
+    for v in excluded:
+        drop[v] = True
+    out = np.empty(values.shape[0], np.int64)
+    c = 0
+    for v in values:
+        if not drop[v]:
+            out[c] = v
+            c += 1
+    return out[:c]
+
+
+@njit(cache=True, nogil=True)
+def pending_tokens_into(  # pragma: no cover - compiled; tested through prepare against spec
+    sampled_in: np.ndarray,  # [R] int64 the last record's batch_idx of each row, or -1
+    num_known: np.ndarray,  # [R] int64 known tokens, as the scheduler counts them
+    index_mapping: np.ndarray,  # [num_reqs] int64 batch_idx -> req_state_idx
+    num_computed: np.ndarray,  # [num_reqs] int64 batch order, counted as num_known
+    cu_num_tokens: np.ndarray,  # [num_reqs] int64 each row's end in the flat tokens
+    num_scheduled: np.ndarray,  # [num_reqs] int64
+    out: np.ndarray,  # [2 num_reqs] int32 out: flat token indices from 0, the previous batch_idx from num_reqs
+) -> int:
+    """spec.async_steps.pending_tokens (rule 3) in one pass: the number of pending tokens, written to `out`."""
+    n, count = index_mapping.shape[0], 0
+    for b in range(n):
+        row = index_mapping[b]
+        offset = num_known[row] - 1 - num_computed[b]
+        if sampled_in[row] >= 0 and 0 <= offset < num_scheduled[b]:
+            out[count] = cu_num_tokens[b] - num_scheduled[b] + offset
+            out[n + count] = sampled_in[row]
+            count += 1
+    return count

@@ -39,7 +39,7 @@ class HostBatch:
         num_scheduled: np.ndarray,  # [num_reqs] int64 batch order
         cu_num_tokens: np.ndarray,  # [num_reqs] int64
         padded: int,
-        sampler: dict[str, Any],  # a drafting step's sampler fields (fast/drafts.py), logits_indices included; or {}
+        fields: dict[str, Any],  # more of the batch's fields (the sampler's, logits_indices included; async's); or {}
     ) -> BatchInputs:
         groups = state.config.kv_groups
         n, t = len(req_ids), padded
@@ -77,7 +77,7 @@ class HostBatch:
                 "slot_mappings": tuple(map(wrap, slot_mappings)),
             }
             self._views_key = key
-        views = self._views | sampler if sampler else self._views
+        views = self._views | fields if fields else self._views
         return BatchInputs(req_ids=req_ids, num_tokens=num_tokens, num_tokens_padded=padded, **views)
 
     def _buffer32(self, size: int) -> np.ndarray:

@@ -47,7 +47,7 @@ class DeviceBatch:
         num_scheduled: np.ndarray,  # [num_reqs] int64 batch order
         cu_num_tokens: np.ndarray,  # [num_reqs] int64
         padded: int,
-        sampler: dict[str, Any],  # a drafting step's sampler fields (fast/drafts.py), logits_indices included; or {}
+        fields: dict[str, Any],  # more of the batch's fields (the sampler's, logits_indices included; async's); or {}
     ) -> BatchInputs:
         num_reqs = len(req_ids)
         num_tokens = int(cu_num_tokens[-1]) if num_reqs else 0
@@ -59,7 +59,7 @@ class DeviceBatch:
         batch_dev = upload_into(self.batch[: batch_np.size], batch_np)
         with interpret(self.interpreted):
             out = prepare_triton(dev, batch_dev, num_reqs, num_tokens, padded, self.out64, self.out32)
-        fields = {"logits_indices": out.logits_indices} | sampler
+        fields = {"logits_indices": out.logits_indices} | fields
         return BatchInputs(
             req_ids=req_ids,
             index_mapping=batch_dev[:num_reqs],

@@ -148,18 +148,20 @@ class RequestStatePool:
         # [num_reqs] int64 as the host counts (optimistically, under async scheduling: spec/async_steps.py)
         computed = plan.num_computed if order is None else plan.num_computed[order]
         seq_lens = computed + num_scheduled
-        sampler: dict[str, Any] = {}
+        # fields beyond the plain batch's: a drafting step's sampler indices, async scheduling's pending tokens
+        fields: dict[str, Any] = self.mode.batch_fields(
+            self.state, index_mapping, computed, cu_num_tokens, num_scheduled
+        )
         drafts = None
         if plan.num_drafts is not None:  # input ids are right already (apply stored the drafts): add the indices
             sampler, drafts = self._sampler.build(cu_num_tokens, plan.num_drafts, plan.draft_ids, order, self.device)
+            fields = fields | sampler if fields else sampler
         batch = self._batch_buffers.prepare(
-            self.dev, self.state, req_ids, index_mapping, num_scheduled, cu_num_tokens, padded, sampler
+            self.dev, self.state, req_ids, index_mapping, num_scheduled, cu_num_tokens, padded, fields
         )
         if self.features:  # the model kind's records of the batch (fast/feature.py)
             records = tuple(f.prepare(self.state, plan, batch, order) for f in self.features)
             batch = dataclasses.replace(batch, features=records)
-        if fields := self.mode.batch_fields(self.state, index_mapping, computed, cu_num_tokens, num_scheduled):
-            batch = dataclasses.replace(batch, **fields)
         self._prepared_drafts = drafts
         self._prepared = batch
         self._prepared_rows_np = index_mapping

@@ -99,6 +99,7 @@ class HostCopy:
 
     def __init__(self, tensors: tuple[torch.Tensor, ...]) -> None:
         self._event: Any = None
+        self._arrays: list[np.ndarray] | None = None  # of_host's arrays, handed back as they are
         if tensors and tensors[0].device.type == "cuda":
             self._host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors)
             for host, t in zip(self._host, tensors, strict=True):
@@ -112,10 +113,12 @@ class HostCopy:
     def of_host(cls, *arrays: np.ndarray) -> HostCopy:
         """Arrays already on the host (host mode), fresh ones: nothing to copy or wait for."""
         copy = cls(())
-        copy._host = tuple(torch.from_numpy(a) for a in arrays)
+        copy._arrays = list(arrays)
         return copy
 
     def wait(self) -> list[np.ndarray]:
+        if self._arrays is not None:
+            return self._arrays
         if self._event is not None:
             self._event.synchronize()
         return [t.numpy() for t in self._host]

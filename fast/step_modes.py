@@ -12,12 +12,11 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from fast.async_steps import AheadState
+from fast.async_steps import AheadState, pending_tokens_into, without
 from fast.fallback import Fallback
 from fast.runtime import upload
 from fast.sampled import record_accepted, record_one_per_row
 from fast.state import DeviceState
-from spec.async_steps import pending_tokens
 from spec.drafts import accepted_rows
 from spec.errors import InconsistentSchedulerOutputError
 from spec.state import PoolState, StepPlan
@@ -130,7 +129,7 @@ class Ahead:
     def after_commit(self, state: PoolState, plan: StepPlan) -> None:
         state.num_unverified_drafts[:] = 0  # the step after this one is scheduled knowing the verdicts
         replaced = plan.tables[0].rows[plan.tables[0].replaced]  # new and resumed requests' rows
-        self.state.commit(plan, plan.rows[~np.isin(plan.rows, replaced)])  # rule 2 on the device
+        self.state.commit(plan, without(plan.rows, replaced, state.config.max_num_reqs))  # rule 2 on the device
 
     def batch_fields(
         self,
@@ -140,11 +139,13 @@ class Ahead:
         cu_num_tokens: np.ndarray,
         num_scheduled: np.ndarray,
     ) -> dict[str, Any]:
-        query_start_loc = np.concatenate([[0], cu_num_tokens])  # [num_reqs + 1]
-        pending = pending_tokens(state.sampled_in[index_mapping], state.num_known_tokens[index_mapping],
-                                 num_computed, query_start_loc, num_scheduled)  # fmt: skip
-        indices, sources = (upload(a, self.dev.device) for a in pending)
-        return {"pending_token_indices": indices, "pending_prev_batch_idx": sources}
+        # rule 3 (spec.async_steps.pending_tokens) in one compiled pass: indices | sources, each [num_pending]
+        n = index_mapping.shape[0]
+        packed = np.empty(2 * n, np.int32)
+        count = pending_tokens_into(state.sampled_in, state.num_known_tokens, index_mapping, num_computed,
+                                    cu_num_tokens, num_scheduled, packed)  # fmt: skip
+        tensor = upload(packed, self.dev.device)
+        return {"pending_token_indices": tensor[:count], "pending_prev_batch_idx": tensor[n : n + count]}
 
     def record(
         self,
