@@ -71,20 +71,21 @@ class AheadState:
         takes: np.ndarray,  # [n] bool, from host counts
         num_drafts: np.ndarray,  # [n] int64 drafts of each batch row
         draft_ids: np.ndarray,  # [sum(num_drafts)] batch order
-        sampled: torch.Tensor,  # [n] or [n, width] integer ids, on the device
+        sampled: torch.Tensor | np.ndarray,  # [n] or [n, width] integer ids, on the device (host mode: NumPy)
     ) -> None:
-        m = int(np.count_nonzero(takes))
-        taking, taking_rows, k, starts = (np.empty(m, np.int64) for _ in range(4))  # [m] each
-        own_drafts = np.empty(int(num_drafts[takes].sum()) if m else 0, draft_ids.dtype)  # [sum(k)] batch order
-        longest, most_drafts = _bookkeep(takes, rows, num_drafts, draft_ids, state.sampled_in,
-                                         state.num_unverified_drafts, state.num_known_tokens, taking, taking_rows, k,
-                                         starts, own_drafts)  # fmt: skip
+        n = rows.shape[0]
+        taking, taking_rows, k, starts = (np.empty(n, np.int64) for _ in range(4))  # [n] each, the first m filled
+        own_drafts = np.empty(draft_ids.shape[0], draft_ids.dtype)  # [sum(num_drafts)], the first sum(k) filled
+        m, own, longest, most_drafts = _bookkeep(takes, rows, num_drafts, draft_ids, state.sampled_in,
+                                                 state.num_unverified_drafts, state.num_known_tokens, taking,
+                                                 taking_rows, k, starts, own_drafts)  # fmt: skip
         if not m:
             return
+        taking, taking_rows, k, starts, own_drafts = taking[:m], taking_rows[:m], k[:m], starts[:m], own_drafts[:own]
         one_per_row = sampled.ndim < 2
         tokens = sampled.reshape(rows.size, -1)
         self.dev.reserve_tokens(longest + max(int(tokens.shape[1]), 1 + most_drafts))  # ids, or 1 + k placeholders
-        if self.host_mode:
+        if isinstance(tokens, np.ndarray):  # host mode (fast/step_modes.py hands it NumPy)
             copy = self._record_host(tokens, taking, taking_rows, k, draft_ids, starts, one_per_row)
         else:
             copy = self._record_device(tokens, taking, taking_rows, k, draft_ids, starts, one_per_row)
@@ -92,7 +93,7 @@ class AheadState:
 
     def _record_host(
         self,
-        tokens: torch.Tensor,  # [n, w] the caller's ids (CPU)
+        tokens: np.ndarray,  # [n, w] the caller's ids
         taking: np.ndarray,  # [m] int64 batch_idx
         rows: np.ndarray,  # [m] int64 req_state_idx
         k: np.ndarray,  # [m] int64 drafts
@@ -100,7 +101,7 @@ class AheadState:
         starts: np.ndarray,  # [m] int64 each row's first draft
         one_per_row: bool,
     ) -> HostCopy:
-        ids = tokens.numpy().astype(np.int64, copy=False)
+        ids = tokens.astype(np.int64, copy=False)
         draft_ids = draft_ids.astype(np.int64, copy=False)
         m = taking.size
         written, known, faults = np.empty(m, np.int64), np.empty(m, np.int64), np.empty(m, np.int32)
@@ -140,12 +141,8 @@ class AheadState:
     def commit(self, plan: StepPlan, continuing: np.ndarray) -> None:
         """After the next apply's commit: correct its continuing rows' num_computed on the device (rule 2)."""
         if self.host_mode:  # the mirror's arrays are the device's (fast/state.py): NumPy on them directly
-            known, rejected, computed = self._known_np, self._rejected_np, self._computed_np
-            known[plan.freed_rows] = 0
-            rejected[plan.freed_rows] = 0
-            known[plan.new_rows] = plan.prompt_lens
-            computed[continuing] -= rejected[continuing]
-            rejected[:] = 0
+            _correct(plan.freed_rows, plan.new_rows, plan.prompt_lens, continuing, self._known_np, self._rejected_np,
+                     self._computed_np)  # fmt: skip
         else:
             device = self.dev.device
             freed, new, cont = (upload(a, device) for a in (plan.freed_rows, plan.new_rows, continuing))
@@ -258,9 +255,9 @@ def _bookkeep(  # pragma: no cover - compiled; tested through record_sampled aga
     k: np.ndarray,  # [m] int64 out: their drafts
     starts: np.ndarray,  # [m] int64 out: each one's first draft in draft_ids
     own_drafts: np.ndarray,  # [sum(k)] out: the taking rows' drafts, batch order
-) -> tuple[int, int]:
-    """The host's side of a record under async scheduling (spec/async_steps.py, rule 1), one pass: (the longest
-    known length of a taking row before the step, the most drafts of one)."""
+) -> tuple[int, int, int, int]:
+    """The host's side of a record under async scheduling (spec/async_steps.py, rule 1), one pass: (taking rows m,
+    their drafts sum(k), the longest known length of one before the step, the most drafts of one)."""
     sampled_in[:] = -1
     i = at = own = longest = most = 0
     for b in range(takes.shape[0]):
@@ -277,7 +274,7 @@ def _bookkeep(  # pragma: no cover - compiled; tested through record_sampled aga
             own += num_drafts[b]
             i += 1
         at += num_drafts[b]
-    return longest, most
+    return i, own, longest, most
 
 
 @njit(cache=True, nogil=True)
@@ -336,3 +333,25 @@ def pending_tokens_into(  # pragma: no cover - compiled; tested through prepare 
             out[n + count] = sampled_in[row]
             count += 1
     return count
+
+
+@njit(cache=True, nogil=True)
+def _correct(  # pragma: no cover - compiled; tested through apply against spec
+    freed: np.ndarray,  # [f] int64 rows the apply freed
+    new_rows: np.ndarray,  # [k] int64 rows new requests took
+    prompt_lens: np.ndarray,  # [k] int64 their prompts
+    continuing: np.ndarray,  # [c] int64 rows that continue
+    known: np.ndarray,  # [R] int64 the device's exact count of known tokens
+    rejected: np.ndarray,  # [R] int64 the last record's rejected drafts per row, zeroed here
+    computed: np.ndarray,  # [R] int64 num_computed_tokens, corrected (rule 2)
+) -> None:
+    """AheadState.commit on host memory, one pass: freed rows hold nothing, new ones their prompt, continuing
+    rows give back the drafts the last record rejected."""
+    for row in freed:
+        known[row] = 0
+        rejected[row] = 0
+    for i in range(new_rows.shape[0]):
+        known[new_rows[i]] = prompt_lens[i]
+    for row in continuing:
+        computed[row] -= rejected[row]
+    rejected[:] = 0

@@ -144,8 +144,12 @@ class Ahead:
         packed = np.empty(2 * n, np.int32)
         count = pending_tokens_into(state.sampled_in, state.num_known_tokens, index_mapping, num_computed,
                                     cu_num_tokens, num_scheduled, packed)  # fmt: skip
-        tensor = upload(packed, self.dev.device)
-        return {"pending_token_indices": tensor[:count], "pending_prev_batch_idx": tensor[n : n + count]}
+        if self.dev.device.type == "cpu":  # two views: fewer torch calls than one tensor sliced twice
+            indices, sources = torch.from_numpy(packed[:count]), torch.from_numpy(packed[n : n + count])
+        else:
+            tensor = upload(packed, self.dev.device)
+            indices, sources = tensor[:count], tensor[n : n + count]
+        return {"pending_token_indices": indices, "pending_prev_batch_idx": sources}
 
     def record(
         self,
@@ -157,18 +161,28 @@ class Ahead:
         drafts: tuple[np.ndarray, np.ndarray] | None,
         sampled_token_ids: object,
     ) -> None:
-        """What the host can check without the values now, the rest on the device."""
-        sampled = sampled_token_ids if isinstance(sampled_token_ids, torch.Tensor) else None
-        if sampled is None:
-            sampled = torch.from_numpy(np.ascontiguousarray(np.asarray(sampled_token_ids)))
-        dtype = sampled.dtype
-        if sampled.numel() and (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool):
-            detail = f"dtype {str(dtype).removeprefix('torch.')}: needs integer ids"
-            raise InconsistentSchedulerOutputError(None, "sampled_token_ids", detail)
-        accepted_rows(np.empty(tuple(sampled.shape), np.int64), len(req_ids))  # its shape errors, as spec's
+        """What the host can check without the values now, the rest on the device (in host mode, NumPy)."""
+        host_mode = self.state.host_mode
+        sampled: np.ndarray | torch.Tensor
+        if isinstance(sampled_token_ids, torch.Tensor):
+            dtype = sampled_token_ids.dtype
+            if sampled_token_ids.numel() and (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool):
+                detail = f"dtype {str(dtype).removeprefix('torch.')}: needs integer ids"
+                raise InconsistentSchedulerOutputError(None, "sampled_token_ids", detail)
+            device = "cpu" if host_mode else self.dev.device  # host mode: a view of CPU ids (no grad on integers)
+            on_device = sampled_token_ids.to(device)
+            sampled = on_device.numpy() if host_mode else on_device
+        else:
+            ids = np.asarray(sampled_token_ids)
+            if ids.size and ids.dtype.kind not in "iu":
+                raise InconsistentSchedulerOutputError(
+                    None, "sampled_token_ids", f"dtype {ids.dtype}: needs integer ids"
+                )
+            sampled = ids if host_mode else torch.from_numpy(np.ascontiguousarray(ids)).to(self.dev.device)
+        shape = tuple(sampled.shape)  # the shape errors, as spec's (the values are not read: a row of width 0 will do)
+        accepted_rows(np.empty(shape if len(shape) != 2 else (shape[0], 0), np.int64), len(req_ids))
         num_drafts, draft_ids = drafts or (np.zeros(rows.size, np.int64), np.zeros(0, np.int64))
         takes = seq_lens == state.num_known_tokens[rows] + num_drafts  # [num_reqs] the step reached its last input
-        sampled = sampled.to(self.dev.device)
         self.state.record(state, applied_steps, req_ids, rows, takes, num_drafts, draft_ids, sampled)
 
     def known_counts(self, state: PoolState) -> tuple[np.ndarray, np.ndarray]:

@@ -209,8 +209,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "async-rejected-drafts-uncorrected",
         "async scheduling: the device takes the rejected drafts off the optimistic num_computed (vllm-ascend #14883)",
         "fast/async_steps.py",
-        "            computed[continuing] -= rejected[continuing]\n",
-        "",
+        "        computed[row] -= rejected[row]\n",
+        "        computed[row] -= 0\n",
         (ASYNC,),
     ),
     Mutant(
