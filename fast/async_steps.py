@@ -161,10 +161,11 @@ class AheadState:
             record = self.in_flight.pop(0)
             written, known, faults, tokens = record.copy.wait()
             freed = _EMPTY if record.freed is None else record.freed
-            by_row = _learn_verdicts(record.rows, record.num_drafts, written, freed, state.num_known_tokens)  # [R]
+            by_row, faulty = _learn_verdicts(record.rows, record.num_drafts, written, freed, faults,
+                                             state.num_known_tokens)  # fmt: skip
             if not self.host_mode and record.continuing is not None:  # host mode corrected the shared array
                 state.num_computed_tokens[record.continuing] -= by_row[record.continuing]
-            if faults.any():
+            if faulty:
                 raise self._fault(record, tokens, known)
 
     def _fault(self, record: _Record, tokens: np.ndarray, known: np.ndarray) -> Exception:
@@ -283,9 +284,10 @@ def _learn_verdicts(  # pragma: no cover - compiled; tested through record_sampl
     num_drafts: np.ndarray,  # [m] int64 their drafts
     written: np.ndarray,  # [m] int64 tokens each kept (1 + k after a fault: nothing is kept then)
     freed: np.ndarray,  # [f] int64 rows freed since the record: their counts left with their requests
+    faults: np.ndarray,  # [m] int32 the rows the device found faulty
     num_known: np.ndarray,  # [R] int64 the mirror's count, corrected here
-) -> np.ndarray:
-    """The mirror learns a record's rejections: [R] int64 each held row's rejected drafts (0 elsewhere)."""
+) -> tuple[np.ndarray, bool]:
+    """The mirror learns a record's rejections: ([R] int64 each held row's rejected drafts, 0 elsewhere; a fault)."""
     by_row = np.zeros(num_known.shape[0], np.int64)
     gone = np.zeros(num_known.shape[0], np.bool_)
     for row in freed:
@@ -295,7 +297,7 @@ def _learn_verdicts(  # pragma: no cover - compiled; tested through record_sampl
             rejected = 1 + num_drafts[i] - written[i]
             num_known[rows[i]] -= rejected
             by_row[rows[i]] = rejected
-    return by_row
+    return by_row, (faults != 0).any()
 
 
 @njit(cache=True, nogil=True)

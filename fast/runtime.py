@@ -112,8 +112,8 @@ class HostCopy:
     @classmethod
     def of_host(cls, *arrays: np.ndarray) -> HostCopy:
         """Arrays already on the host (host mode), fresh ones: nothing to copy or wait for."""
-        copy = cls(())
-        copy._arrays = list(arrays)
+        copy = cls.__new__(cls)  # no tensors to copy: __init__'s work is all for them
+        copy._event, copy._host, copy._arrays = None, (), list(arrays)
         return copy
 
     def wait(self) -> list[np.ndarray]:

@@ -179,8 +179,9 @@ class Ahead:
                     None, "sampled_token_ids", f"dtype {ids.dtype}: needs integer ids"
                 )
             sampled = ids if host_mode else torch.from_numpy(np.ascontiguousarray(ids)).to(self.dev.device)
-        shape = tuple(sampled.shape)  # the shape errors, as spec's (the values are not read: a row of width 0 will do)
-        accepted_rows(np.empty(shape if len(shape) != 2 else (shape[0], 0), np.int64), len(req_ids))
+        shape = tuple(sampled.shape)
+        if len(shape) not in (1, 2) or shape[0] != len(req_ids):  # spec's shape errors (the values are not read)
+            accepted_rows(np.empty(shape if len(shape) != 2 else (shape[0], 0), np.int64), len(req_ids))
         num_drafts, draft_ids = drafts or (np.zeros(rows.size, np.int64), np.zeros(0, np.int64))
         takes = seq_lens == state.num_known_tokens[rows] + num_drafts  # [num_reqs] the step reached its last input
         self.state.record(state, applied_steps, req_ids, rows, takes, num_drafts, draft_ids, sampled)
