@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from fast.flatten import flatten
-from fast.slots import gather_block_tables, slot_mapping
+from fast.slots import tables_and_slots
 from fast.state import DeviceState
 from spec.state import PoolState
 from spec.types import BatchInputs
@@ -53,13 +53,10 @@ class HostBatch:
         input_ids = out64[t : 2 * t]
         flatten(rows, num_scheduled, state.num_computed_tokens, token_ids, out32, positions, input_ids, token_rows)
         tables = out32[5 * n + 1 :]
-        block_tables, slot_mappings = [], []
-        for g, (off, w) in enumerate(zip(dev.offsets_np.tolist(), dev.widths_np.tolist(), strict=True)):
-            out = tables[n * off : n * (off + w)].reshape(n, w)
-            block_tables.append(gather_block_tables(state.block_tables[g], rows, out))
-            slots = out64[(2 + g) * t : (3 + g) * t]
-            slot_mapping(state.block_tables[g], token_rows, positions, groups[g].block_size, slots)
-            slot_mappings.append(slots)
+        slots = out64[2 * t : (2 + len(groups)) * t]  # [G * T]
+        flat_tables = dev.tables_np if dev.tables_np is not None else dev.tables.numpy()  # host mode: the former
+        tables_and_slots(flat_tables, state.config.max_num_reqs, dev.offsets_np, dev.widths_np,
+                         dev.block_sizes_np, rows, token_rows, positions, tables, slots)  # fmt: skip
         # The tensors view the reused buffers, so a step of the same shape as the last (every decode step of a
         # steady batch) hands out the same tensor objects, now holding this step's values: no re-wrapping.
         key = (n, t, num_tokens, self._buffers_grown)
@@ -73,8 +70,11 @@ class HostBatch:
                 "input_ids": wrap(input_ids),
                 "seq_lens": wrap(out32[3 * n + 1 : 4 * n + 1]),
                 "logits_indices": wrap(out32[4 * n + 1 : 5 * n + 1]),
-                "block_tables": tuple(map(wrap, block_tables)),
-                "slot_mappings": tuple(map(wrap, slot_mappings)),
+                "block_tables": tuple(
+                    wrap(tables[n * off : n * (off + w)].reshape(n, w))
+                    for off, w in zip(dev.offsets_np.tolist(), dev.widths_np.tolist(), strict=True)
+                ),
+                "slot_mappings": tuple(wrap(out64[(2 + g) * t : (3 + g) * t]) for g in range(len(groups))),
             }
             self._views_key = key
         views = self._views | fields if fields else self._views

@@ -41,11 +41,26 @@ def slot_mapping(  # pragma: no cover - compiled; tested through its results
         out[pad] = PAD_SLOT_ID
 
 
-def gather_block_tables(
-    block_table: np.ndarray,  # [R, max_blocks] int32
-    index_mapping: np.ndarray,  # [num_reqs] batch_idx -> req_state_idx
-    out: np.ndarray,  # [num_reqs, max_blocks] int32 to write into
-) -> np.ndarray:  # [num_reqs, max_blocks] int32, batch_idx -> physical block ids
-    # mode="clip" only so that NumPy writes into `out` directly (with the default mode it buffers the
-    # whole result first, ~10x slower here); rows come from the pool's req_id -> row map, always in range
-    return block_table.take(index_mapping, axis=0, out=out, mode="clip")
+@njit(cache=True, nogil=True)
+def tables_and_slots(  # pragma: no cover - compiled; tested through its results
+    flat_tables: np.ndarray,  # [R * total_width] int32, every group's [R, width] table (fast.state.table_layout)
+    num_rows: int,  # R
+    offsets: np.ndarray,  # [G] int64 each group's table offset, in rows' widths
+    widths: np.ndarray,  # [G] int64 each group's width (max_blocks_per_req)
+    block_sizes: np.ndarray,  # [G] int64
+    index_mapping: np.ndarray,  # [num_reqs] int64 batch_idx -> req_state_idx
+    token_rows: np.ndarray,  # [num_tokens] int64 flat token index -> req_state_idx
+    positions: np.ndarray,  # [T] int64
+    tables_out: np.ndarray,  # [num_reqs * total_width] int32 out: each group's [num_reqs, width] table, in layout order
+    slots_out: np.ndarray,  # [G * T] int64 out: each group's slot mapping
+) -> None:
+    """Every group's gathered block table and slot mapping in one call (a call per group and stage cost more in
+    dispatch than a decode step's copies)."""
+    n, t = index_mapping.shape[0], positions.shape[0]
+    for g in range(offsets.shape[0]):
+        off, width = offsets[g], widths[g]
+        table = flat_tables[num_rows * off : num_rows * (off + width)].reshape(num_rows, width)
+        out = tables_out[n * off : n * (off + width)].reshape(n, width)
+        for b in range(n):
+            out[b, :] = table[index_mapping[b], :]
+        slot_mapping(table, token_rows, positions, block_sizes[g], slots_out[g * t : (g + 1) * t])

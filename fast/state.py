@@ -57,6 +57,7 @@ class DeviceState:
         self.token_capacity = 0  # token columns held: reserve_tokens grows it
         if mirror is None:
             self.token_ids_np: np.ndarray | None = None
+            self.tables_np: np.ndarray | None = None
             self.token_ids = torch.zeros((rows, 0), dtype=torch.int32, device=device)  # [R, token_capacity]
             self.tables = torch.zeros(rows * self.total_width, dtype=torch.int32, device=device)  # all groups, flat
             self.num_blocks = torch.zeros((groups, rows), dtype=torch.int32, device=device)  # [G, R] filled entries
@@ -66,7 +67,8 @@ class DeviceState:
                 raise ValueError(f"only CPU state can be shared with the host mirror, not {device}")
             self.token_ids_np = np.zeros((rows, 0), np.int32)  # [R, token_capacity]
             self.token_ids = torch.from_numpy(self.token_ids_np)
-            self.tables = torch.from_numpy(mirror.flat_tables)  # the mirror's tables, all groups, one buffer
+            self.tables_np = mirror.flat_tables  # [R * total_width] the mirror's tables, all groups, one buffer
+            self.tables = torch.from_numpy(self.tables_np)
             self.num_blocks = torch.from_numpy(mirror.num_blocks)  # [G, R] int64, the mirror's
             self.num_computed = torch.from_numpy(mirror.num_computed_tokens)  # [R]
 

@@ -17,7 +17,7 @@ import spec.slots
 from fast.flatten import flatten
 from fast.kernels.prepare import output_sizes, prepare_triton
 from fast.runtime import HAVE_TRITON, interpret
-from fast.slots import gather_block_tables, slot_mapping
+from fast.slots import tables_and_slots
 from fast.state import DeviceState
 from spec.types import KVCacheGroup, NewRequest, SchedulerOutput, WorkerConfig
 
@@ -111,13 +111,16 @@ def test_cpu_path_matches_spec(seed: int) -> None:
     for name, part in (("seq_lens", out32[3 * n + 1 : 4 * n + 1]), ("logits_indices", out32[4 * n + 1 :])):
         _assert_same(name, torch.from_numpy(part), want[name])
     np.testing.assert_array_equal(out32[2 * n : 3 * n + 1], np.concatenate([[0], counts.cumsum()]))
-    for g, group in enumerate(dev.config.kv_groups):
-        table = dev.table(g).numpy()
-        tables = gather_block_tables(table, rows, np.full((n, table.shape[1]), -7, np.int32))
-        _assert_same(f"block_tables[{g}]", torch.from_numpy(tables), want["block_tables"][g])
-        slots = np.full(padded, -7, np.int64)
-        slot_mapping(table, token_rows, positions, group.block_size, slots)
-        _assert_same(f"slot_mappings[{g}]", torch.from_numpy(slots), want["slot_mappings"][g])
+    groups = len(dev.config.kv_groups)
+    tables = np.full(n * dev.total_width, -7, np.int32)  # stale: every entry must be written
+    slots = np.full(groups * padded, -7, np.int64)
+    tables_and_slots(dev.tables.numpy(), dev.config.max_num_reqs, dev.offsets_np, dev.widths_np, dev.block_sizes_np,
+                     rows, token_rows, positions, tables, slots)  # fmt: skip
+    for g, (off, width) in enumerate(zip(dev.offsets_np.tolist(), dev.widths_np.tolist(), strict=True)):
+        got = tables[n * off : n * (off + width)].reshape(n, width)
+        _assert_same(f"block_tables[{g}]", torch.from_numpy(got), want["block_tables"][g])
+        _assert_same(f"slot_mappings[{g}]", torch.from_numpy(slots[g * padded : (g + 1) * padded]),
+                     want["slot_mappings"][g])  # fmt: skip
 
 
 HUGE_BLOCKS = 2**26 + 5  # with block_size 64: 2**32 + 320 slots
