@@ -10,7 +10,6 @@ them. The plan holds the drafts in scheduler order; the batch and the sampler ne
 
 from __future__ import annotations
 
-import itertools
 from typing import Any
 
 import numpy as np
@@ -62,8 +61,9 @@ class SamplerFields:
     def __init__(self) -> None:
         self._out32 = np.zeros(0, np.int32)  # logits | num_draft_tokens | cu_num_draft_tokens | target | bonus
         self._out64 = np.zeros(0, np.int64)  # draft_token_ids | num_drafts [num_reqs] (record_sampled's copy)
+        self._cpu32, self._cpu64 = torch.from_numpy(self._out32), torch.from_numpy(self._out64)  # on CPU: views
         self._fields: dict[str, Any] = {}  # the last step's tensors
-        self._key: tuple[int, ...] | None = None  # on CPU: the shape and buffers _fields view
+        self._key: tuple[int, int] | None = None  # on CPU: the (num_reqs, num_drafts) _fields were cut for
 
     def build(
         self,
@@ -75,27 +75,23 @@ class SamplerFields:
     ) -> tuple[dict[str, Any], tuple[np.ndarray, np.ndarray]]:
         """(the BatchInputs fields, (num_drafts [num_reqs] int64, draft ids [num_drafts] int64) in batch order)."""
         n, d = num_drafts.shape[0], draft_ids.shape[0]
-        if self._out32.shape[0] < 4 * n + 2 * d:
+        if self._out32.shape[0] < 4 * n + 2 * d or self._out64.shape[0] < n + d:
             self._out32 = np.zeros(2 * (4 * n + 2 * d), np.int32)
-        if self._out64.shape[0] < n + d:
             self._out64 = np.zeros(2 * (n + d), np.int64)
+            self._cpu32, self._cpu64 = torch.from_numpy(self._out32), torch.from_numpy(self._out64)
+            self._key = None  # the views were of the old buffers
         out32, out64 = self._out32[: 4 * n + 2 * d], self._out64[: n + d]
         _sampler_fields(cu_num_tokens, num_drafts, draft_ids, _IDENTITY if order is None else order, out32, out64)
-        key = (n, d, self._out32.ctypes.data, self._out64.ctypes.data)
-        if device.type != "cpu" or key != self._key:  # on CPU the tensors view the buffers: same shape, same views
-            packed32, packed64 = upload(out32, device), upload(out64, device)
-            ends = list(itertools.accumulate((n + d, n, n, d, n)))
-            self._fields = {
-                "logits_indices": packed32[: ends[0]],
-                "num_draft_tokens": packed32[ends[0] : ends[1]],
-                "cu_num_draft_tokens": packed32[ends[1] : ends[2]],
-                "target_logits_indices": packed32[ends[2] : ends[3]],
-                "bonus_logits_indices": packed32[ends[3] : ends[4]],
-                "draft_token_ids": packed64[:d],
-            }
-            self._key = key if device.type == "cpu" else None
-        fields = self._fields
-        return fields, (out64[d:], out64[:d])
+        on_cpu = device.type == "cpu"
+        if not on_cpu or (n, d) != self._key:  # on CPU the tensors view the buffers: same shape, same views
+            packed32 = self._cpu32 if on_cpu else upload(out32, device)
+            packed64 = self._cpu64 if on_cpu else upload(out64, device)
+            parts = packed32.split([n + d, n, n, d, n, packed32.shape[0] - (4 * n + 2 * d)])  # one call, six views
+            names = ("logits_indices", "num_draft_tokens", "cu_num_draft_tokens", "target_logits_indices",
+                     "bonus_logits_indices")  # fmt: skip
+            self._fields = dict(zip(names, parts, strict=False)) | {"draft_token_ids": packed64[:d]}
+            self._key = (n, d) if on_cpu else None
+        return self._fields, (out64[d:], out64[:d])
 
 
 _IDENTITY = np.zeros(0, np.int64)
