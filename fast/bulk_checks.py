@@ -15,6 +15,15 @@ from spec.types import NULL_BLOCK_ID, NewRequest
 
 
 @njit(cache=True, nogil=True)
+def ids_in_range(ids: np.ndarray, limit: int) -> bool:  # pragma: no cover - compiled
+    """Check 6 of token ids [k]: each in [0, limit), in one vectorisable pass (NumPy's min and max are two calls)."""
+    low, high = 0, 0
+    for i in range(ids.shape[0]):
+        low, high = min(low, ids[i]), max(high, ids[i])
+    return low >= 0 and high < limit
+
+
+@njit(cache=True, nogil=True)
 def counts_in_budget(num_scheduled: np.ndarray, budget: int) -> bool:  # pragma: no cover - compiled
     """Checks 1 and 5 of the counts [n]: each at least 1, their sum within max_num_batched_tokens (one compiled
     pass: NumPy's min and sum are two calls of a few microseconds each on a step of a few rows)."""
@@ -76,7 +85,7 @@ def check_new_requests(
     if joined is None:
         return None
     prompt_lens, tokens = joined
-    if tokens.size and (tokens.min() < 0 or tokens.max() >= config.vocab_size):
+    if not ids_in_range(tokens, config.vocab_size):
         return None
     if prompt_lens.max() > config.max_model_len or list(map(len, tables)).count(num_groups) != k:
         return None
@@ -244,6 +253,8 @@ def _blocks_written(num_computed: np.ndarray, last: np.ndarray, block_size: int)
 
 def merge(new_rows: np.ndarray, new: TableWrites, cached: TableWrites) -> TableWrites:
     """The new requests' table writes (rows filled in) followed by the cached requests' appends."""
+    if not cached.rows.size:  # nobody appends (every prefill-only step): the new requests' writes as they are
+        return TableWrites(new_rows, new.starts, new.lengths, new.ids, new.replaced)
     return TableWrites(
         rows=np.concatenate([new_rows, cached.rows]),
         starts=np.concatenate([new.starts, cached.starts]),

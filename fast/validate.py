@@ -139,7 +139,7 @@ def plan_bulk_step(
             return Fallback.TABLES
         appended, written = checked
         if num_new:
-            written = np.concatenate([new_written[g], written])
+            written = np.concatenate([new_written[g], written]) if written.size else new_written[g]
         if has_repeats(written, -1):  # a block written by two requests: plan_step checks per slot
             return Fallback.SHARED_BLOCK
         tables.append(merge(new_rows, new_writes[g], appended) if num_new else appended)
