@@ -99,6 +99,15 @@ def accepted_rows(sampled: np.ndarray, num_reqs: int) -> tuple[np.ndarray, np.nd
     then PLACEHOLDER_TOKEN_ID. The count stops at the first placeholder; whether anything follows it (a gap)
     is for the caller to judge, row by row, with the row's drafts.
     """
+    rows = token_rows(sampled, num_reqs)
+    if sampled.ndim < 2:  # one token per row: no placeholders in this form, -1 is an id (and out of range)
+        return rows, np.ones(num_reqs, np.int64)
+    is_placeholder = np.concatenate([rows == PLACEHOLDER_TOKEN_ID, np.ones((num_reqs, 1), bool)], axis=1)
+    return rows, is_placeholder.argmax(axis=1).astype(np.int64)  # first placeholder (or the width)
+
+
+def token_rows(sampled: np.ndarray, num_reqs: int) -> np.ndarray:
+    """The ids as [num_reqs, width] rows (a view), after the checks of their shape."""
     if sampled.ndim > 2:
         detail = f"shape {sampled.shape}: needs [num_reqs] or [num_reqs, max_drafts + 1]"
         raise InconsistentSchedulerOutputError(None, "sampled_token_ids", detail)
@@ -107,10 +116,7 @@ def accepted_rows(sampled: np.ndarray, num_reqs: int) -> tuple[np.ndarray, np.nd
         raise InconsistentSchedulerOutputError(
             None, "sampled_token_ids", f"{rows.shape[0]} rows of ids for {num_reqs} batch rows"
         )
-    if sampled.ndim < 2:  # one token per row: no placeholders in this form, -1 is an id (and out of range)
-        return rows, np.ones(num_reqs, np.int64)
-    is_placeholder = np.concatenate([rows == PLACEHOLDER_TOKEN_ID, np.ones((num_reqs, 1), bool)], axis=1)
-    return rows, is_placeholder.argmax(axis=1).astype(np.int64)  # first placeholder (or the width)
+    return rows
 
 
 def check_accepted(
