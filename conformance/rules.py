@@ -918,7 +918,7 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         D,
-        "accepted_rows",
+        "token_rows",
         'None, "sampled_token_ids", detail',
         "ids are [num_reqs] or [num_reqs, width]",
         EVERY_STEP,
@@ -927,7 +927,7 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         D,
-        "accepted_rows",
+        "token_rows",
         "rows of ids for",
         "one row of ids per batch row",
         EVERY_STEP,
