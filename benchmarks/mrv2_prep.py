@@ -359,6 +359,9 @@ def main(argv: list[str] | None = None) -> None:
     for name, value in (("OMP_NUM_THREADS", "1"), ("NUMBA_NUM_THREADS", "1"), ("HF_HUB_OFFLINE", "1"),
                         ("VLLM_CPU_KVCACHE_SPACE", "1"), ("VLLM_ENABLE_V1_MULTIPROCESSING", "0")):  # fmt: skip
         os.environ.setdefault(name, value)
+    # the runner under test: a parent's choice of v1 (benchmarks/test_vllm_prep.py sets 0 for its own replay)
+    # must not reach this process
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
     _live("triton_cpu_stand_in").install()  # before vLLM (or fast's kernels) is imported: MRv2 needs a "cpu" Triton
     about = machine()
     name = f"{re.sub(r'[^a-z0-9]+', '-', about['cpu'].lower()).strip('-')}-{os.cpu_count()}c"  # as slotmap bench's
