@@ -21,6 +21,7 @@ from numba import njit
 
 from fast.kernels.record_ahead import record_ahead_triton
 from fast.runtime import HostCopy, interpret, start_host_copy, upload
+from fast.sampled import placeholder_counts
 from fast.state import DeviceState
 from spec.async_steps import REPORTED_AFTER, first_fault
 from spec.state import PoolState, StepPlan
@@ -170,7 +171,7 @@ class AheadState:
 
     def _fault(self, record: _Record, tokens: np.ndarray, known: np.ndarray) -> Exception:
         """spec's error for the record's first faulty row, from the copied ids."""
-        counts = _counts_as_recorded(tokens, record.one_per_row)
+        counts = placeholder_counts(tokens.astype(np.int64, copy=False), record.one_per_row)  # [m]
         ends = np.cumsum(record.num_drafts)
         drafts = [record.draft_ids[e - n : e] for e, n in zip(ends, record.num_drafts, strict=True)]
         req_ids = tuple(record.req_ids[b] for b in record.taking)
@@ -183,14 +184,6 @@ class AheadState:
     def known_counts(self) -> np.ndarray:
         """[R] the device's exact count of known tokens (a host read: for snapshot)."""
         return self.num_known.cpu().numpy()
-
-
-def _counts_as_recorded(tokens: np.ndarray, one_per_row: bool) -> np.ndarray:
-    """[m] each copied row's tokens before its first placeholder, as spec.drafts.accepted_rows counts them."""
-    if one_per_row:
-        return np.ones(tokens.shape[0], np.int64)
-    is_placeholder = np.concatenate([tokens == PLACEHOLDER_TOKEN_ID, np.ones((tokens.shape[0], 1), bool)], axis=1)
-    return is_placeholder.argmax(axis=1).astype(np.int64)
 
 
 @njit(cache=True, nogil=True)

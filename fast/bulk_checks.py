@@ -9,18 +9,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from fast.bulk_read import EMPTY, joined_ids
+from fast.bulk_read import EMPTY, ids_in_range, joined_ids
 from spec.state import PoolState, StepPlan, TableWrites
 from spec.types import NULL_BLOCK_ID, NewRequest
-
-
-@njit(cache=True, nogil=True)
-def ids_in_range(ids: np.ndarray, limit: int) -> bool:  # pragma: no cover - compiled
-    """Check 6 of token ids [k]: each in [0, limit), in one vectorisable pass (NumPy's min and max are two calls)."""
-    low, high = 0, 0
-    for i in range(ids.shape[0]):
-        low, high = min(low, ids[i]), max(high, ids[i])
-    return low >= 0 and high < limit
 
 
 @njit(cache=True, nogil=True)

@@ -62,6 +62,15 @@ def read_drafts(
 
 
 @njit(cache=True, nogil=True)
+def ids_in_range(ids: np.ndarray, limit: int) -> bool:  # pragma: no cover - compiled
+    """Check 6 of token ids [k]: each in [0, limit), in one vectorisable pass (NumPy's min and max are two calls)."""
+    low, high = 0, 0
+    for i in range(ids.shape[0]):
+        low, high = min(low, ids[i]), max(high, ids[i])
+    return low >= 0 and high < limit
+
+
+@njit(cache=True, nogil=True)
 def _drafts_in_order(  # pragma: no cover - compiled; tested through plan_bulk_step against plan_step
     at: np.ndarray,  # [m] int64 each listed request's index in the scheduler order (distinct: dict keys)
     lengths: np.ndarray,  # [m] int64 its drafts
@@ -71,9 +80,8 @@ def _drafts_in_order(  # pragma: no cover - compiled; tested through plan_bulk_s
     ordered: np.ndarray,  # [sum(lengths)] int32 out: the drafts in the scheduler's order
 ) -> bool:
     """Check 6 of the draft ids (in the vocabulary), and the drafts moved into the scheduler's order."""
-    for j in range(ids.shape[0]):
-        if ids[j] < 0 or ids[j] >= vocab_size:
-            return False
+    if not ids_in_range(ids, vocab_size):
+        return False
     first = np.empty(at.shape[0], np.int64)  # [m] where each listed request's drafts begin in `ids`
     start = 0
     for i in range(at.shape[0]):

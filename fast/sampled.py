@@ -71,7 +71,7 @@ def record_accepted(
     tokens_in = spec_drafts.token_rows(sampled, rows.size)  # [n, width]
     vocab, max_len = config.vocab_size, config.max_model_len
     tokens = _as_int64_ids(tokens_in, vocab)
-    counts = _placeholder_counts(tokens, sampled.ndim < 2)  # [n] as spec.drafts.accepted_rows counts them
+    counts = placeholder_counts(tokens, sampled.ndim < 2)  # [n] as spec.drafts.accepted_rows counts them
     num_drafts, draft_ids = drafts or (np.zeros(rows.size, np.int64), _NO_DRAFTS)
     takes = np.empty(rows.size, np.int64)  # [k] batch_idx of the taking rows
     checks = (num_drafts, draft_ids, tokens, counts, vocab, max_len, takes)
@@ -197,7 +197,7 @@ def _append_accepted(  # pragma: no cover - compiled; tested through record_samp
 
 
 @njit(cache=True, nogil=True)
-def _placeholder_counts(tokens: np.ndarray, one_per_row: bool) -> np.ndarray:  # pragma: no cover - compiled
+def placeholder_counts(tokens: np.ndarray, one_per_row: bool) -> np.ndarray:  # pragma: no cover - compiled
     """[n] each row's tokens before its first PLACEHOLDER_TOKEN_ID (the width if none; 1 for ids given as [n]):
     spec.drafts.accepted_rows's counts, in one pass."""
     n, width = tokens.shape
