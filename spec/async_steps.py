@@ -23,9 +23,9 @@ on the device. What changes, rule by rule (docs/semantics.md, "Async scheduling"
 4. Windows are checked for every verdict. A step sent with k unverified drafts behind it starts, after the
    correction, anywhere from num_computed - k to num_computed: its window's reads (checks 9 and 12) are checked
    from the lowest of those starts, so no outcome reads a block the scheduler released on the optimistic count.
-5. Drafts after unverified drafts are refused (UnknownTokenError, check 8): their positions depend on a verdict
-   the host has not read. vLLM drafts such steps on the device, from the device's own count; slotmap models
-   drafts the scheduler sends.
+5. Drafts the scheduler sends after unverified drafts are refused (UnknownTokenError, check 8): their positions
+   depend on a verdict the host has not read, so a host drafter could not have made them. Drafts proposed on the
+   device (rule 8) may follow them.
 6. Late faults. record_sampled checks at once what the host knows without values (the batch, the ids' dtype and
    shape). The checks of the values (spec/drafts.py's, in their order) are reported by the first apply after
    step N+1 was applied (the apply after next, unless an output was refused in between): the first call whose
@@ -42,6 +42,22 @@ on the device. What changes, rule by rule (docs/semantics.md, "Async scheduling"
    Refused otherwise (UnknownTokenError, check 8), in every backend alike. Without drafts the record's one
    sample has one position, and rule 3 finds it.
 
+8. Drafts proposed on the device. Under async scheduling the drafter runs on the device right after the sampler
+   (vLLM's model runner v2 keeps its output in `req_states.draft_tokens`), so the scheduler knows the drafts only by
+   count: it sends k PLACEHOLDER_TOKEN_ID ids in scheduled_spec_decode_tokens. record_sampled takes the drafter's
+   output as `next_draft_ids` ([num_reqs, P], batch order), and each row that took its sample keeps those P ids as
+   its proposals (a row of the batch that did not take its sample, or a record without next_draft_ids, keeps none;
+   a freed, new or resumed row keeps none: nothing of a previous owner is carried over, vllm-ascend #13864). A step
+   with k placeholder drafts takes its drafts from the first k proposals of its row, at the positions of the
+   corrected count (rule 2): unlike drafts the scheduler sends, these may follow unverified drafts (rule 5 does not
+   apply). More placeholders than proposals (or any on a new or resumed request) is UnknownTokenError (check 8).
+   The values are checked late as the sampled ids are (rule 6): a proposal outside the vocabulary is a
+   TokenIdError on `next_draft_ids`, checked after the row's sampled ids, and a faulty record leaves
+   PLACEHOLDER_TOKEN_ID in every proposal it stored. Validation reads the scheduler's optimistic counts, so the
+   blocks a step needs are those of its optimistic reach (num_computed + num_scheduled as sent): the corrected
+   reach is never longer, and a step whose table does not cover the optimistic one is refused before anything is
+   written (TensorRT-LLM #16280: a device position past the host's blocks).
+
 A run in async order ends in the pool a synchronous run ends in: the tokens recorded, the counts corrected
 (`conformance/test_async.py` drives both on every backend and compares them).
 """
@@ -54,7 +70,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from spec.drafts import check_accepted
-from spec.errors import ScheduleError, UnknownTokenError
+from spec.errors import ScheduleError, TokenIdError, UnknownTokenError
 from spec.types import INDEX_DTYPE, PLACEHOLDER_TOKEN_ID, SchedulerOutput, WorkerConfig
 
 if TYPE_CHECKING:
@@ -81,11 +97,14 @@ def record_ahead(
     tokens: np.ndarray,  # [n, width] each row's accepted tokens, then placeholders (spec.drafts.accepted_rows)
     counts: np.ndarray,  # [n] tokens before each row's first placeholder
     drafts: list[np.ndarray],  # [n] each batch row's drafts
+    proposed: np.ndarray | None,  # [n, P] the drafter's ids for each batch row's next drafts (rule 8), or None
+    proposals: np.ndarray,  # [R, >= P] each row's proposals, written here
 ) -> tuple[np.ndarray, ScheduleError | None]:
-    """record_sampled's effect in async mode (rules 1 and 6): returns ([R] drafts rejected per row, the fault)."""
+    """record_sampled's effect in async mode (rules 1, 6 and 8): returns ([R] drafts rejected per row, the fault)."""
     config = state.config
     known = state.num_known_tokens[rows]  # [n] before the record
-    fault = first_fault(req_ids, takes, tokens, counts, drafts, known, config)
+    fault = first_fault(req_ids, takes, tokens, counts, drafts, known, config, proposed)
+    state.num_proposed[rows] = 0  # a row that does not take its sample proposes nothing
     num_rejected = np.zeros(config.max_num_reqs, np.int64)  # [R]
     state.sampled_in[:] = -1
     for b in np.flatnonzero(takes):
@@ -97,6 +116,9 @@ def record_ahead(
         num_rejected[row] = 1 + k - appended.size
         state.sampled_in[row] = b
         state.num_unverified_drafts[row] = k
+        if proposed is not None:
+            proposals[row, : proposed.shape[1]] = proposed[b] if fault is None else PLACEHOLDER_TOKEN_ID
+            state.num_proposed[row] = proposed.shape[1]
     return num_rejected, fault
 
 
@@ -108,13 +130,19 @@ def first_fault(
     drafts: list[np.ndarray],  # [n]
     known: np.ndarray,  # [n] known tokens of each row before the record
     config: WorkerConfig,
+    proposed: np.ndarray | None = None,  # [n, P] the drafter's next drafts (rule 8), or None
 ) -> ScheduleError | None:
-    """The error the synchronous record_sampled would raise for these ids (its first faulty taking row), or None."""
+    """The error the synchronous record_sampled would raise for these ids (its first faulty taking row), or None;
+    a taking row's proposals are checked after its sampled ids."""
     for b in np.flatnonzero(takes):
         try:
             check_accepted(req_ids[b], tokens[b], int(counts[b]), drafts[b], int(known[b]), config)
         except ScheduleError as error:
             return error
+        if proposed is not None:
+            bad = proposed[b][(proposed[b] < 0) | (proposed[b] >= config.vocab_size)]
+            if bad.size:
+                return TokenIdError(req_ids[b], "next_draft_ids", f"{bad[0]} not in [0, {config.vocab_size})")
     return None
 
 
@@ -133,13 +161,48 @@ def correct_counts(
     num_rejected[:] = 0
 
 
-def check_no_drafts_after_unverified(state: PoolState, sched: SchedulerOutput) -> None:
-    """Rule 5 (check 8): a request whose last record's drafts are unverified on the host may not draft again."""
-    for req_id, value in sched.scheduled_spec_decode_tokens.items():
+def proposed_on_device(drafts: np.ndarray, config: WorkerConfig) -> bool:
+    """Rule 8: drafts sent as placeholders under async scheduling, their ids the drafter's proposals."""
+    return config.async_scheduling and drafts.size > 0 and bool((drafts == PLACEHOLDER_TOKEN_ID).all())
+
+
+def check_no_drafts_after_unverified(state: PoolState, drafts_of: dict[str, np.ndarray]) -> None:
+    """Rule 5 (check 8): a request whose last record's drafts are unverified on the host may not draft again,
+    unless its drafts are proposed on the device (rule 8)."""
+    for req_id, drafts in drafts_of.items():
         row = state.row_of.get(req_id)
-        if len(value) and row is not None and state.num_unverified_drafts[row]:
+        if row is not None and state.num_unverified_drafts[row] and not proposed_on_device(drafts, state.config):
             detail = f"drafts after {state.num_unverified_drafts[row]} drafts whose verdict the host has not read"
             raise UnknownTokenError(req_id, "scheduled_spec_decode_tokens", detail)
+
+
+def check_proposed_drafts(state: PoolState, sched: SchedulerOutput, drafts_of: dict[str, np.ndarray]) -> None:
+    """Rule 8 (check 8): k placeholder drafts need k proposals the drafter made at the row's last sample; a new or
+    resumed request has none (its row's proposals, if any, were not made for the tokens it runs now)."""
+    resumed = {c.req_id for c in sched.cached_requests if c.resumed}
+    for req_id, drafts in drafts_of.items():
+        if not proposed_on_device(drafts, state.config):
+            continue
+        row = state.row_of.get(req_id)
+        proposed = 0 if row is None or req_id in resumed else int(state.num_proposed[row])
+        if drafts.size > proposed:
+            whose = "a new request" if row is None else "a resumed request" if req_id in resumed else "its row"
+            detail = f"{drafts.size} drafts proposed on the device, but the drafter proposed {proposed} for {whose}"
+            raise UnknownTokenError(req_id, "scheduled_spec_decode_tokens", detail)
+
+
+def take_proposals(
+    plan_rows: np.ndarray,  # [n] scheduler order -> req_state_idx
+    num_drafts: np.ndarray,  # [n] scheduler order
+    draft_ids: np.ndarray,  # [sum(num_drafts)] scheduler order: placeholders replaced here
+    proposals: np.ndarray,  # [R, P] each row's proposals
+) -> None:
+    """Rule 8 at the apply: each run of placeholder drafts becomes its row's first k proposals."""
+    at = 0
+    for row, k in zip(plan_rows.tolist(), num_drafts.tolist(), strict=True):
+        if k and draft_ids[at] == PLACEHOLDER_TOKEN_ID:  # validation refuses a mix of ids and placeholders
+            draft_ids[at : at + k] = proposals[row, :k]
+        at += k
 
 
 def check_resumed_within_known(state: PoolState, sched: SchedulerOutput) -> None:

@@ -119,6 +119,24 @@ def token_rows(sampled: np.ndarray, num_reqs: int) -> np.ndarray:
     return rows
 
 
+def proposed_ids(next_draft_ids: object, num_reqs: int, config: WorkerConfig) -> np.ndarray | None:
+    """record_sampled's `next_draft_ids` (spec/async_steps.py, rule 8) as [num_reqs, P] ids, after the checks the
+    host makes without reading values: async scheduling, an integer dtype, one row per batch row. None: none."""
+    if next_draft_ids is None:
+        return None
+    field = "next_draft_ids"
+    if not config.async_scheduling:
+        detail = "drafts proposed on the device need WorkerConfig.async_scheduling (the scheduler sends the ids)"
+        raise InconsistentSchedulerOutputError(None, field, detail)
+    proposed = np.asarray(next_draft_ids)
+    if proposed.size and proposed.dtype.kind not in "iu":
+        raise InconsistentSchedulerOutputError(None, field, f"dtype {proposed.dtype}: needs integer ids")
+    if proposed.ndim != 2 or proposed.shape[0] != num_reqs:
+        detail = f"shape {proposed.shape}: needs [num_reqs={num_reqs}, num_proposed]"
+        raise InconsistentSchedulerOutputError(None, field, detail)
+    return proposed.astype(np.int64)
+
+
 def check_accepted(
     req_id: str,
     tokens: np.ndarray,  # [width] the row of accepted_rows

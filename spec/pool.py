@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from spec.batch import batch_order
-from spec.drafts import DraftLogits, accepted_rows, draft_logits, draft_token_indices
+from spec.drafts import DraftLogits, accepted_rows, draft_logits, draft_token_indices, proposed_ids
 from spec.errors import InconsistentSchedulerOutputError, UnknownRequestError
 from spec.feature import Feature, find, group_rules
 from spec.flatten import flatten
@@ -115,7 +115,7 @@ class RequestStatePool:
         self._prepared_drafts = drafts
         return self._prepared
 
-    def record_sampled(self, batch: BatchInputs, sampled_token_ids: object) -> None:
+    def record_sampled(self, batch: BatchInputs, sampled_token_ids: object, next_draft_ids: object = None) -> None:
         """Append each batch row's sampled tokens to its row if the step reached the row's last known token.
 
         `sampled_token_ids` is `[num_reqs]` (one token per row) or `[num_reqs, width]` padded with
@@ -125,6 +125,10 @@ class RequestStatePool:
         room below max_model_len; the first fault raises and nothing is appended. The step's progress itself
         is not advanced here: the scheduler's num_computed_tokens is authoritative (and rolls back past
         rejected drafts).
+
+        `next_draft_ids` (async scheduling only) is the drafter's output, `[num_reqs, P]` integer ids: each taking
+        row's proposals for the drafts of its next step, which the scheduler sends as placeholders
+        (spec/async_steps.py, rule 8).
         """
         if not self._is_last_prepared(batch):
             detail = "not the batch of the last prepare (or recorded already)"
@@ -134,12 +138,13 @@ class RequestStatePool:
             detail = f"dtype {sampled.dtype}: needs integer ids"
             raise InconsistentSchedulerOutputError(None, "sampled_token_ids", detail)
         tokens, counts = accepted_rows(sampled, batch.num_reqs)  # [num_reqs, width], [num_reqs]
+        proposed = proposed_ids(next_draft_ids, batch.num_reqs, self.config)  # [num_reqs, P] or None
         rows, seq_lens = self._prepared_rows  # as prepared: edits to the batch's arrays cannot redirect the ids
         drafts = self._prepared_drafts
         known = self.state.num_known_tokens[rows]  # [num_reqs]
         takes = seq_lens == known + [d.size for d in drafts]  # [num_reqs] the step reached its last input token
         self.mode.record(self.state, self.token_ids, self._applied_steps, batch.req_ids, rows, takes, tokens, counts,
-                         drafts)  # fmt: skip
+                         drafts, proposed)  # fmt: skip
         self._prepared = None
 
     def _is_last_prepared(self, batch: BatchInputs) -> bool:

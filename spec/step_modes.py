@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from spec.async_steps import REPORTED_AFTER, LateFault, correct_counts, pending_tokens, record_ahead
+from spec.async_steps import REPORTED_AFTER, LateFault, correct_counts, pending_tokens, record_ahead, take_proposals
 from spec.drafts import check_accepted
-from spec.types import SchedulerOutput, WorkerConfig
+from spec.types import TOKEN_STORAGE_DTYPE, SchedulerOutput, WorkerConfig
 
 if TYPE_CHECKING:
     from spec.state import PoolState, StepPlan
@@ -48,6 +48,7 @@ class StepMode(Protocol):
         tokens: np.ndarray,  # [n, width] each row's accepted tokens, then placeholders
         counts: np.ndarray,  # [n] tokens before each row's first placeholder
         drafts: list[np.ndarray],  # [n] each batch row's drafts
+        proposed: np.ndarray | None,  # [n, P] the drafter's ids for the next drafts (async only), or None
     ) -> None:
         """record_sampled's effect on the rows that take their samples."""
 
@@ -84,8 +85,9 @@ class InStep:
         tokens: np.ndarray,
         counts: np.ndarray,
         drafts: list[np.ndarray],
+        proposed: np.ndarray | None,
     ) -> None:
-        known = state.num_known_tokens[rows]  # [n]
+        known = state.num_known_tokens[rows]  # [n] (proposed is None: the pool refuses it without async scheduling)
         for b in np.flatnonzero(takes):
             check_accepted(req_ids[b], tokens[b], int(counts[b]), drafts[b], int(known[b]), self.config)
         for b in np.flatnonzero(takes):
@@ -104,6 +106,7 @@ class Ahead:
         self.config = config
         self.late_faults: list[LateFault] = []
         self.num_rejected = np.zeros(config.max_num_reqs, np.int64)  # [R] drafts the last record rejected
+        self.proposals = np.zeros((config.max_num_reqs, 0), TOKEN_STORAGE_DTYPE)  # [R, P] the drafter's (rule 8)
 
     def before_apply(self, applied_steps: int) -> None:
         if self.late_faults and self.late_faults[0].due <= applied_steps:
@@ -112,6 +115,8 @@ class Ahead:
     def after_commit(self, state: PoolState, sched: SchedulerOutput, plan: StepPlan) -> None:
         state.num_unverified_drafts[:] = 0  # the step after this one is scheduled knowing the verdicts
         correct_counts(state, sched, plan.freed_rows, self.num_rejected)  # rule 2
+        if plan.num_drafts is not None:  # rule 8: placeholder drafts take their row's proposals
+            take_proposals(plan.rows, plan.num_drafts, plan.draft_ids, self.proposals)
 
     def batch_fields(
         self, state: PoolState, index_mapping: np.ndarray, query_start_loc: np.ndarray, num_scheduled: np.ndarray
@@ -131,9 +136,15 @@ class Ahead:
         tokens: np.ndarray,
         counts: np.ndarray,
         drafts: list[np.ndarray],
+        proposed: np.ndarray | None,
     ) -> None:
-        """Rules 1 and 6: the scheduler's counts now, the values' checks reported at a later apply."""
-        self.num_rejected, fault = record_ahead(state, token_ids, req_ids, rows, takes, tokens, counts, drafts)
+        """Rules 1, 6 and 8: the scheduler's counts now, the values' checks reported at a later apply."""
+        if proposed is not None and proposed.shape[1] > self.proposals.shape[1]:
+            grown = np.zeros((self.proposals.shape[0], proposed.shape[1]), TOKEN_STORAGE_DTYPE)
+            grown[:, : self.proposals.shape[1]] = self.proposals
+            self.proposals = grown
+        self.num_rejected, fault = record_ahead(state, token_ids, req_ids, rows, takes, tokens, counts, drafts,
+                                                proposed, self.proposals)  # fmt: skip
         if fault is not None:
             self.late_faults.append(LateFault(fault, applied_steps + REPORTED_AFTER))
 

@@ -11,11 +11,14 @@ backend must use the same order, so that an output with several faults raises th
  3. DuplicateRequestError             new request whose req_id holds a row
  4. PoolFullError                     more live requests than rows
  5. TokenBudgetError                  more scheduled tokens than the budget
- 6. TokenIdError                      prompt token, then draft token, outside the vocabulary
+ 6. TokenIdError                      prompt token, then draft token, outside the vocabulary (async: drafts all
+                                      PLACEHOLDER_TOKEN_ID are the drafter's, spec/async_steps.py rule 8)
  7. ModelLengthError                  prompt or num_computed + num_scheduled > max_model_len; encoder_len
                                       outside [1, max_encoder_len] with a cross group, or > 0 without one
  8. UnknownTokenError                 num_computed + num_scheduled > known tokens (+ k drafts), or a request
-                                      with k drafts whose step does not end exactly at known + k
+                                      with k drafts whose step does not end exactly at known + k; async:
+                                      drafts sent after unverified ones, placeholders past the row's proposals,
+                                      a resumption past its unread verdict (spec/async_steps.py)
  9. BlockIdError                      id out of range, repeated among the entries not released by a
                                       window, null without a window (a mamba table may hold nulls); with
                                       one block pool, an id held in two groups
@@ -44,7 +47,12 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from spec.async_steps import check_no_drafts_after_unverified, check_resumed_within_known
+from spec.async_steps import (
+    check_no_drafts_after_unverified,
+    check_proposed_drafts,
+    check_resumed_within_known,
+    proposed_on_device,
+)
 from spec.errors import (
     BlockIdError,
     DuplicateRequestError,
@@ -127,7 +135,7 @@ def plan_step(state: PoolState, sched: SchedulerOutput, features: Sequence[Featu
         if drafts is None:
             raise TokenIdError(req_id, "scheduled_spec_decode_tokens", "not a tuple, list or 1-D array of integer ids")
         bad = drafts[(drafts < 0) | (drafts >= config.vocab_size)]
-        if bad.size:
+        if bad.size and not proposed_on_device(drafts, config):  # placeholders: the ids are the drafter's (rule 8)
             raise TokenIdError(req_id, "scheduled_spec_decode_tokens", f"{bad[0]} not in [0, {config.vocab_size})")
         if drafts.size:
             drafts_of[req_id] = drafts.astype(TOKEN_STORAGE_DTYPE)  # frozen here, as the prompts
@@ -154,9 +162,10 @@ def plan_step(state: PoolState, sched: SchedulerOutput, features: Sequence[Featu
         if s.num_drafts and end != s.known_tokens + s.num_drafts:  # drafts must follow the last known token
             detail = f"step ends at position {end - 1}: {s.num_drafts} drafts must follow the {s.known_tokens} known"
             raise UnknownTokenError(s.req_id, "scheduled_spec_decode_tokens", detail)
-    # async scheduling's two rules of check 8 (spec/async_steps.py): both pass at once where no record left
-    # unverified drafts, as a synchronous pool never does
-    check_no_drafts_after_unverified(state, sched)
+    # async scheduling's rules of check 8 (spec/async_steps.py): they pass at once where no record left unverified
+    # drafts and no drafts are placeholders, as in a synchronous pool
+    check_no_drafts_after_unverified(state, drafts_of)
+    check_proposed_drafts(state, sched, drafts_of)
     check_resumed_within_known(state, sched)
     rules = group_rules(config, features)  # per group: its table rules (spec/group_rules.py), a feature's for its own
     for s in scheduled:
