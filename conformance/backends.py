@@ -137,9 +137,9 @@ class _ModePool:
         with _mode(self._enabled):
             return self._pool.prepare(sched, pad_to)
 
-    def record_sampled(self, batch: BatchInputs, sampled_token_ids: Any) -> None:
+    def record_sampled(self, batch: BatchInputs, sampled_token_ids: Any, next_draft_ids: Any = None) -> None:
         with _mode(self._enabled):
-            self._pool.record_sampled(batch, sampled_token_ids)
+            self._pool.record_sampled(batch, sampled_token_ids, next_draft_ids)
 
     def row_of(self, req_id: str) -> int:
         return int(self._pool.row_of(req_id))

@@ -130,11 +130,11 @@ class ProbedPool:
             raise MismatchError(f"{self.handle.name}: mutating the output after apply ({edit}) changed {differ}")
         self.counts["mutated"] += 1
 
-    def record_sampled(self, batch: BatchInputs, sampled_token_ids: Any) -> None:
+    def record_sampled(self, batch: BatchInputs, sampled_token_ids: Any, next_draft_ids: Any = None) -> None:
         old = self.last_recorded
         if old is not None and self.rng.random() < self.rate and not self._same_rows(old, batch):
             self._expect_refusal("an earlier step's batch", old)
-        self.pool.record_sampled(batch, sampled_token_ids)
+        self.pool.record_sampled(batch, sampled_token_ids, next_draft_ids)
         self.last_recorded = batch
         if self.rng.random() < self.rate:
             self._expect_refusal("the batch recorded already", batch)

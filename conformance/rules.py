@@ -36,6 +36,7 @@ SAMPLED = "conformance/test_sampled_faults.py::test_every_sampled_fault_is_refus
 PIPELINE, BOUNDARIES = "conformance/test_pipeline.py", "conformance/test_boundaries.py"
 ERRORS = "conformance/test_errors.py"
 ASYNC = "conformance/test_async.py"
+ASYNC_DRAFTS = "conformance/test_async_drafts.py"
 AT_MAX_MODEL_LEN = f"{BOUNDARIES}::test_a_step_up_to_max_model_len_is_valid_and_its_sample_has_no_room"
 
 
@@ -719,6 +720,21 @@ RULES: tuple[Rule, ...] = (
         f"{ASYNC}::test_a_resumption_past_the_tokens_held_before_unread_drafts_is_refused",
         (f"{ASYNC}::test_a_resumption_past_the_tokens_held_before_unread_drafts_is_refused",),
     ),
+    Rule(
+        "async_steps.py",
+        "check_proposed_drafts",
+        "UnknownTokenError(req_id",
+        "k placeholder drafts take k proposals the drafter made at the row's last sample (none for a new or "
+        "resumed request, none after a record without them)",
+        f"{ASYNC_DRAFTS}::test_placeholder_drafts_follow_unverified_drafts_at_the_corrected_count",
+        f"{ASYNC_DRAFTS}::test_more_placeholders_than_proposals_are_refused",
+        (
+            f"{ASYNC_DRAFTS}::test_more_placeholders_than_proposals_are_refused",
+            f"{ASYNC_DRAFTS}::test_a_record_without_proposals_leaves_none",
+            f"{ASYNC_DRAFTS}::test_a_new_request_never_drafts_from_a_previous_owners_proposals",
+            f"{ASYNC_DRAFTS}::test_a_resumed_request_drafts_from_a_new_proposal_only",
+        ),
+    ),
     # checks 9-13 (spec/group_rules.py per group, spec/validate.py across groups)
     Rule(G, "check_range", '"not a tuple, list', "block ids are integer ids", EVERY_STEP, GENERATED, (MALFORMATIONS,)),
     Rule(
@@ -933,6 +949,33 @@ RULES: tuple[Rule, ...] = (
         EVERY_STEP,
         GENERATED,
         (SAMPLED, f"{ERRORS}::test_wrong_number_of_sampled_tokens_is_rejected"),
+    ),
+    Rule(
+        D,
+        "proposed_ids",
+        "None, field, synchronous)",
+        "the drafter's ids are taken under async scheduling only",
+        f"{ASYNC_DRAFTS}::test_placeholder_drafts_take_the_drafters_ids",
+        f"{ASYNC_DRAFTS}::test_placeholder_drafts_without_async_scheduling_are_refused",
+        (f"{ASYNC_DRAFTS}::test_placeholder_drafts_without_async_scheduling_are_refused",),
+    ),
+    Rule(
+        D,
+        "proposed_ids",
+        "needs integer ids",
+        "the drafter's ids are integers",
+        f"{ASYNC_DRAFTS}::test_placeholder_drafts_take_the_drafters_ids",
+        f"{ASYNC_DRAFTS}::test_malformed_proposals_are_refused_at_once",
+        (f"{ASYNC_DRAFTS}::test_malformed_proposals_are_refused_at_once",),
+    ),
+    Rule(
+        D,
+        "proposed_ids",
+        "None, field, shape)",
+        "the drafter's ids are [num_reqs, P]",
+        f"{ASYNC_DRAFTS}::test_placeholder_drafts_take_the_drafters_ids",
+        f"{ASYNC_DRAFTS}::test_malformed_proposals_are_refused_at_once",
+        (f"{ASYNC_DRAFTS}::test_malformed_proposals_are_refused_at_once",),
     ),
     Rule(
         D,

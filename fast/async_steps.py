@@ -9,6 +9,10 @@ optimistic count) and starts a copy of what it needs later.
 
 The next apply corrects num_computed on the device (`commit`). The apply after it reads the copy (`read_due`):
 the host mirror learns the rejections, and a fault raises spec's error, rebuilt from the copied ids.
+
+Drafts proposed on the device (rule 8): the drafter's ids stay on the device as each row's proposals, and the host
+knows only their count. After the correction an apply copies a placeholder-drafting row's proposals into the token
+store at the device's count, so prepare reads them as input ids; the record reads them back from there.
 """
 
 from __future__ import annotations
@@ -24,10 +28,11 @@ from fast.runtime import HostCopy, interpret, start_host_copy, upload
 from fast.sampled import placeholder_counts
 from fast.state import DeviceState
 from spec.async_steps import REPORTED_AFTER, first_fault
-from spec.state import PoolState, StepPlan
+from spec.state import PoolState, StepPlan, ranges
 from spec.types import PLACEHOLDER_TOKEN_ID, WorkerConfig
 
 _EMPTY = np.zeros(0, np.int64)
+_NO_PROPOSALS = np.zeros((0, 0), np.int64)  # [n, 0] for _record_compiled: no drafter's ids
 
 
 @dataclass
@@ -41,7 +46,9 @@ class _Record:
     num_drafts: np.ndarray  # [m] int64 their drafts
     draft_ids: np.ndarray  # [sum(num_drafts)] their drafts end to end
     one_per_row: bool  # the ids came as [n]
-    copy: HostCopy  # written [m], known before [m], faults [m], tokens [m, w]
+    copy: HostCopy  # written [m], known before [m], faults [m], tokens [m, w], then the two below where set
+    drafts_copied: bool  # draft_ids are placeholders: the copy holds the drafts as read on the device [sum(k)]
+    proposals_copied: bool  # the copy holds the taking rows' proposals [m, P] (rule 8)
     continuing: np.ndarray | None = None  # [c] rows the next apply corrected on the device (set then)
     freed: np.ndarray | None = None  # [f] rows the next apply freed (their counts went with them)
 
@@ -57,9 +64,11 @@ class AheadState:
         rows = config.max_num_reqs
         self.num_known = torch.zeros(rows, dtype=torch.int64, device=dev.device)  # [R] tokens held, exact
         self.num_rejected = torch.zeros(rows, dtype=torch.int64, device=dev.device)  # [R] the last record's
+        self.proposals = torch.zeros((rows, 0), dtype=torch.int64, device=dev.device)  # [R, P] the drafter's ids
         if host_mode:  # host memory: the compiled loop and the commit work on NumPy views of the same arrays
             self._known_np, self._rejected_np = self.num_known.numpy(), self.num_rejected.numpy()
             self._computed_np = dev.num_computed.numpy()
+            self._proposals_np = self.proposals.numpy()
         self.in_flight: list[_Record] = []
 
     # ---- record_sampled ---------------------------------------------------------------------------------
@@ -73,24 +82,60 @@ class AheadState:
         num_drafts: np.ndarray,  # [n] int64 drafts of each batch row
         draft_ids: np.ndarray,  # [sum(num_drafts)] batch order
         sampled: torch.Tensor | np.ndarray,  # [n] or [n, width] integer ids, on the device (host mode: NumPy)
+        proposed: torch.Tensor | np.ndarray | None,  # [n, P] int64 the drafter's ids (rule 8), as sampled, or None
     ) -> None:
         n = rows.shape[0]
         taking, taking_rows, k, starts = (np.empty(n, np.int64) for _ in range(4))  # [n] each, the first m filled
         own_drafts = np.empty(draft_ids.shape[0], draft_ids.dtype)  # [sum(num_drafts)], the first sum(k) filled
+        width = 0 if proposed is None else int(proposed.shape[1])
         m, own, longest, most_drafts = _bookkeep(takes, rows, num_drafts, draft_ids, state.sampled_in,
-                                                 state.num_unverified_drafts, state.num_known_tokens, taking,
-                                                 taking_rows, k, starts, own_drafts)  # fmt: skip
+                                                 state.num_unverified_drafts, state.num_known_tokens,
+                                                 state.num_proposed, width, taking, taking_rows, k, starts,
+                                                 own_drafts)  # fmt: skip
         if not m:
             return
         taking, taking_rows, k, starts, own_drafts = taking[:m], taking_rows[:m], k[:m], starts[:m], own_drafts[:own]
+        placeholders = own > 0 and bool((own_drafts == PLACEHOLDER_TOKEN_ID).any())  # rule 8: on the device only
+        if placeholders:  # each taking row's drafts, end to end, as apply stored them (take_proposals)
+            starts = np.cumsum(k) - k
+        if width > self.proposals.shape[1]:
+            self._grow_proposals(width)
         one_per_row = sampled.ndim < 2
         tokens = sampled.reshape(rows.size, -1)
         self.dev.reserve_tokens(longest + max(int(tokens.shape[1]), 1 + most_drafts))  # ids, or 1 + k placeholders
         if isinstance(tokens, np.ndarray):  # host mode (fast/step_modes.py hands it NumPy)
-            copy = self._record_host(tokens, taking, taking_rows, k, draft_ids, starts, one_per_row)
+            if placeholders:
+                own_drafts = self._stored_drafts_host(taking_rows, k)
+                draft_ids = own_drafts
+            copy = self._record_host(tokens, taking, taking_rows, k, draft_ids, starts, one_per_row, proposed)
+            placeholders = False  # own_drafts holds the values: nothing more to copy
         else:
-            copy = self._record_device(tokens, taking, taking_rows, k, draft_ids, starts, one_per_row)
-        self.in_flight.append(_Record(applied_steps, req_ids, taking, taking_rows, k, own_drafts, one_per_row, copy))
+            copy = self._record_device(tokens, taking, taking_rows, k, draft_ids, starts, one_per_row, proposed,
+                                       placeholders)  # fmt: skip
+        self.in_flight.append(_Record(applied_steps, req_ids, taking, taking_rows, k, own_drafts, one_per_row, copy,
+                                      placeholders, proposed is not None))  # fmt: skip
+
+    def _grow_proposals(self, width: int) -> None:
+        grown = torch.zeros((self.proposals.shape[0], width), dtype=torch.int64, device=self.dev.device)
+        grown[:, : self.proposals.shape[1]] = self.proposals
+        self.proposals = grown
+        if self.host_mode:
+            self._proposals_np = grown.numpy()
+
+    def _stored_drafts_host(self, rows: np.ndarray, k: np.ndarray) -> np.ndarray:
+        """[sum(k)] int64 each row's k drafts, end to end, from the token store just past its known tokens."""
+        store = self.dev.token_ids_np
+        if store is None:
+            raise RuntimeError("host mode keeps the token store in NumPy (fast/state.py), but this pool has none")
+        which, within = ranges(k)
+        return store[rows[which], self._known_np[rows[which]] + within].astype(np.int64)
+
+    def _stored_drafts_device(self, rows: np.ndarray, k: np.ndarray) -> torch.Tensor:
+        """_stored_drafts_host on the device: [sum(k)] int64, read without a host sync."""
+        which, within = ranges(k)
+        index = upload(np.stack([rows[which], within]), self.dev.device)  # [2, sum(k)] row, draft
+        row_index = index[0]
+        return self.dev.token_ids[row_index, self.num_known[row_index] + index[1]].to(torch.int64)
 
     def _record_host(
         self,
@@ -101,6 +146,7 @@ class AheadState:
         draft_ids: np.ndarray,  # [sum(drafts of the batch)] integer
         starts: np.ndarray,  # [m] int64 each row's first draft
         one_per_row: bool,
+        proposed: np.ndarray | None,  # [n, P] int64 the drafter's ids, or None
     ) -> HostCopy:
         ids = tokens.astype(np.int64, copy=False)
         draft_ids = draft_ids.astype(np.int64, copy=False)
@@ -110,10 +156,13 @@ class AheadState:
         if store is None:
             raise RuntimeError("host mode keeps the token store in NumPy (fast/state.py), but this pool has none")
         config = self.config
+        drafter = _NO_PROPOSALS if proposed is None else proposed
         _record_compiled(ids, taking, rows, k, starts, draft_ids, one_per_row, config.vocab_size,
-                         config.max_model_len, self._known_np, self._rejected_np, store,
-                         written, known, faults)  # fmt: skip
-        return HostCopy.of_host(written, known, faults, ids[taking])
+                         config.max_model_len, self._known_np, self._rejected_np, store, drafter,
+                         self._proposals_np, written, known, faults)  # fmt: skip
+        if proposed is None:
+            return HostCopy.of_host(written, known, faults, ids[taking])
+        return HostCopy.of_host(written, known, faults, ids[taking], proposed[taking])
 
     def _record_device(
         self,
@@ -124,19 +173,54 @@ class AheadState:
         draft_ids: np.ndarray,
         starts: np.ndarray,
         one_per_row: bool,
+        proposed: torch.Tensor | None,  # [n, P] int64 on the device, or None
+        placeholders: bool,  # draft_ids are placeholders: the drafts are read where apply stored them
     ) -> HostCopy:
         device = self.dev.device
         ids = tokens.to(torch.int64).contiguous()
-        packed = upload(np.concatenate([taking, rows, k, starts, draft_ids.astype(np.int64), [0]]), device)
+        host_drafts = np.zeros(1, np.int64) if placeholders else draft_ids.astype(np.int64)
+        packed = upload(np.concatenate([taking, rows, k, starts, host_drafts, [0]]), device)
         m = taking.size
         taking_t, rows_t, k_t, starts_t = (packed[i * m : (i + 1) * m] for i in range(4))
+        drafts = packed[4 * m :]
+        if placeholders:
+            stored = self._stored_drafts_device(rows, k)
+            drafts = torch.cat([stored, drafts[:1]])  # one spare entry, as the kernel wants
         config = self.config
         with interpret(self._interpret):
             written, known, faults = record_ahead_triton(
-                ids, taking_t, rows_t, k_t, starts_t, packed[4 * m :], self.num_known, self.num_rejected,
+                ids, taking_t, rows_t, k_t, starts_t, drafts, self.num_known, self.num_rejected,
                 self.dev.token_ids, one_per_row, int(k.max()), config.vocab_size, config.max_model_len,
+                None if proposed is None else (proposed, self.proposals),
             )  # fmt: skip
-        return start_host_copy(written, known, faults, ids[taking_t])
+        copied = [written, known, faults, ids[taking_t]]
+        if placeholders:
+            copied.append(stored)
+        if proposed is not None:
+            copied.append(proposed[taking_t])
+        return start_host_copy(*copied)
+
+    # ---- rule 8 at the apply ------------------------------------------------------------------------
+    def take_proposals(self, rows: np.ndarray, k: np.ndarray) -> None:
+        """After the correction: each row's first k proposals into the token store at the device's count."""
+        which, within = ranges(k)
+        if self.host_mode:
+            store = self.dev.token_ids_np
+            if store is None:
+                raise RuntimeError("host mode keeps the token store in NumPy (fast/state.py), but this pool has none")
+            at = rows[which]
+            store[at, self._known_np[at] + within] = self._proposals_np[at, within]
+            return
+        index = upload(np.stack([rows[which], within]), self.dev.device)  # [2, sum(k)] row, draft
+        row_index, draft = index[0], index[1]
+        values = self.proposals[row_index, draft].to(torch.int32)
+        self.dev.token_ids.index_put_((row_index, self.num_known[row_index] + draft), values)
+
+    def batch_drafts(self, rows: np.ndarray, k: np.ndarray) -> torch.Tensor:
+        """[sum(k)] int64 the drafts of batch rows `rows` (k each), as stored: a placeholder step's draft_token_ids."""
+        if self.host_mode:
+            return torch.from_numpy(self._stored_drafts_host(rows, k))
+        return self._stored_drafts_device(rows, k)
 
     # ---- apply --------------------------------------------------------------------------------------
     def commit(self, plan: StepPlan, continuing: np.ndarray) -> None:
@@ -160,23 +244,25 @@ class AheadState:
         """At an apply: read the copies of records REPORTED_AFTER steps old; correct the mirror; raise a fault."""
         while self.in_flight and self.in_flight[0].at + REPORTED_AFTER <= applied_steps:
             record = self.in_flight.pop(0)
-            written, known, faults, tokens = record.copy.wait()
+            written, known, faults, tokens, *extra = record.copy.wait()
             freed = _EMPTY if record.freed is None else record.freed
             by_row, faulty = _learn_verdicts(record.rows, record.num_drafts, written, freed, faults,
                                              state.num_known_tokens)  # fmt: skip
             if not self.host_mode and record.continuing is not None:  # host mode corrected the shared array
                 state.num_computed_tokens[record.continuing] -= by_row[record.continuing]
             if faulty:
-                raise self._fault(record, tokens, known)
+                raise self._fault(record, tokens, known, extra)
 
-    def _fault(self, record: _Record, tokens: np.ndarray, known: np.ndarray) -> Exception:
-        """spec's error for the record's first faulty row, from the copied ids."""
+    def _fault(self, record: _Record, tokens: np.ndarray, known: np.ndarray, extra: list[np.ndarray]) -> Exception:
+        """spec's error for the record's first faulty row, from the copied ids (and drafts and proposals)."""
         counts = placeholder_counts(tokens.astype(np.int64, copy=False), record.one_per_row)  # [m]
+        draft_ids = extra.pop(0) if record.drafts_copied else record.draft_ids
+        proposed = extra.pop(0) if record.proposals_copied else None
         ends = np.cumsum(record.num_drafts)
-        drafts = [record.draft_ids[e - n : e] for e, n in zip(ends, record.num_drafts, strict=True)]
+        drafts = [draft_ids[e - n : e] for e, n in zip(ends, record.num_drafts, strict=True)]
         req_ids = tuple(record.req_ids[b] for b in record.taking)
         takes = np.ones(len(req_ids), bool)
-        error = first_fault(req_ids, takes, tokens, counts, drafts, known, self.config)
+        error = first_fault(req_ids, takes, tokens, counts, drafts, known, self.config, proposed)
         if error is None:
             return AssertionError("record_sampled: the device found a fault that spec's checks do not")
         return error
@@ -200,12 +286,14 @@ def _record_compiled(  # pragma: no cover - compiled; tested through record_samp
     num_known: np.ndarray,  # [R] int64, advanced
     num_rejected: np.ndarray,  # [R] int64 out
     token_ids: np.ndarray,  # [R, capacity] int32 (room reserved)
+    proposed: np.ndarray,  # [n, P] int64 the drafter's ids (P = 0: none)
+    proposals: np.ndarray,  # [R, >= P] int64 out: each taking row's proposals
     written: np.ndarray,  # [m] int64 out
     known_before: np.ndarray,  # [m] int64 out
     faults: np.ndarray,  # [m] int32 out
 ) -> None:
     """fast/kernels/record_ahead.py's two kernels as one loop on host memory: every check, then every append."""
-    m, w = taking.shape[0], tokens.shape[1]
+    m, w, width = taking.shape[0], tokens.shape[1], proposed.shape[1]
     any_fault = False
     for i in range(m):
         b, k = taking[i], num_drafts[i]
@@ -221,6 +309,8 @@ def _record_compiled(  # pragma: no cover - compiled; tested through record_samp
         for j in range(count):
             fault = fault or tokens[b, j] < 0 or tokens[b, j] >= vocab
             fault = fault or (j < count - 1 and tokens[b, j] != draft_ids[starts[i] + j])
+        for j in range(width):
+            fault = fault or proposed[b, j] < 0 or proposed[b, j] >= vocab
         written[i] = count
         known_before[i] = num_known[rows[i]]
         faults[i] = fault
@@ -233,6 +323,8 @@ def _record_compiled(  # pragma: no cover - compiled; tested through record_samp
         written[i] = n
         num_known[row] = known + n
         num_rejected[row] = 1 + k - n
+        for j in range(width):
+            proposals[row, j] = PLACEHOLDER_TOKEN_ID if any_fault else proposed[b, j]
 
 
 @njit(cache=True, nogil=True)
@@ -244,6 +336,8 @@ def _bookkeep(  # pragma: no cover - compiled; tested through record_sampled aga
     sampled_in: np.ndarray,  # [R] int64 out: the batch_idx each row sampled in, -1 for none
     num_unverified: np.ndarray,  # [R] int64 out: drafts whose verdict is unread
     num_known: np.ndarray,  # [R] int64: the scheduler's (optimistic) count, advanced by 1 + k for every taking row
+    num_proposed: np.ndarray,  # [R] int64 out: the drafter's ids each batch row keeps (rule 8)
+    width: int,  # the drafter's ids per row (0: none)
     taking: np.ndarray,  # [m] int64 out: batch_idx of the taking rows
     taking_rows: np.ndarray,  # [m] int64 out: their req_state_idx
     k: np.ndarray,  # [m] int64 out: their drafts
@@ -255,6 +349,7 @@ def _bookkeep(  # pragma: no cover - compiled; tested through record_sampled aga
     sampled_in[:] = -1
     i = at = own = longest = most = 0
     for b in range(takes.shape[0]):
+        num_proposed[rows[b]] = width if takes[b] else 0
         if takes[b]:
             row = rows[b]
             taking[i], taking_rows[i], k[i], starts[i] = b, row, num_drafts[b], at

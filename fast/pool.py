@@ -47,7 +47,7 @@ from fast.model_kinds import fast_features_for
 from fast.released import ReleasedTails
 from fast.runtime import interpret, interpret_enabled, use_triton
 from fast.state import DeviceState, HostMirror, write_prompts
-from fast.step_modes import host_array, step_mode
+from fast.step_modes import host_array, placeholder_rows, step_mode
 from fast.validate import MAX_OWNER_MAP, plan_bulk_step
 from fast.writes import apply_writes, step_writes
 from spec.errors import InconsistentSchedulerOutputError, UnknownRequestError
@@ -155,6 +155,8 @@ class RequestStatePool:
         drafts = None
         if plan.num_drafts is not None:  # input ids are right already (apply stored the drafts): add the indices
             sampler, drafts = self._sampler.build(cu_num_tokens, plan.num_drafts, plan.draft_ids, order, self.device)
+            if placeholder_rows(plan) is not None:  # the ids are the drafter's, on the device (rule 8)
+                sampler = sampler | {"draft_token_ids": self.mode.placeholder_drafts(index_mapping, drafts[0])}
             fields = fields | sampler if fields else sampler
         batch = self._batch_buffers.prepare(
             self.dev, self.state, req_ids, index_mapping, num_scheduled, cu_num_tokens, padded, fields
@@ -169,14 +171,14 @@ class RequestStatePool:
         return batch
 
     # ---- record_sampled ----------------------------------------------------------------------------
-    def record_sampled(self, batch: BatchInputs, sampled_token_ids: object) -> None:
+    def record_sampled(self, batch: BatchInputs, sampled_token_ids: object, next_draft_ids: object = None) -> None:
         """spec.RequestStatePool.record_sampled on device state: same rows, same errors, same order of checks."""
         if batch is not self._prepared and not self._equals_prepared(batch):
             detail = "not the batch of the last prepare (or recorded already)"
             raise InconsistentSchedulerOutputError(None, "batch", detail)
         rows, seq_lens = self._prepared_rows_np, self._prepared_seq_lens_np
         self.mode.record(self.state, self._applied_steps, batch.req_ids, rows, seq_lens, self._prepared_drafts,
-                         sampled_token_ids)  # fmt: skip
+                         sampled_token_ids, next_draft_ids)  # fmt: skip
         self._prepared = None
 
     def _equals_prepared(self, batch: BatchInputs) -> bool:

@@ -17,10 +17,10 @@ from fast.fallback import Fallback
 from fast.runtime import upload
 from fast.sampled import record_accepted, record_one_per_row
 from fast.state import DeviceState
-from spec.drafts import accepted_rows
+from spec.drafts import accepted_rows, proposed_ids, token_rows
 from spec.errors import InconsistentSchedulerOutputError
 from spec.state import PoolState, StepPlan
-from spec.types import SchedulerOutput, WorkerConfig
+from spec.types import PLACEHOLDER_TOKEN_ID, SchedulerOutput, WorkerConfig
 
 
 class StepMode(Protocol):
@@ -54,8 +54,13 @@ class StepMode(Protocol):
         seq_lens: np.ndarray,  # [num_reqs] as prepared
         drafts: tuple[np.ndarray, np.ndarray] | None,  # [num_reqs] drafts per row, [num_drafts] ids; None: none
         sampled_token_ids: object,
+        next_draft_ids: object,  # [num_reqs, P] the drafter's ids (async only, spec/async_steps.py rule 8), or None
     ) -> None:
         """record_sampled's effect, spec's errors in spec's order."""
+
+    def placeholder_drafts(self, rows: np.ndarray, num_drafts: np.ndarray) -> torch.Tensor:
+        """[sum(num_drafts)] int64 the drafts of batch rows `rows` whose drafts are placeholders (rule 8)."""
+        ...
 
     def known_counts(self, state: PoolState) -> tuple[np.ndarray, np.ndarray]:
         """([R] known tokens, [R] num_computed) as they truly are (what a snapshot shows)."""
@@ -94,16 +99,23 @@ class InStep:
         seq_lens: np.ndarray,
         drafts: tuple[np.ndarray, np.ndarray] | None,
         sampled_token_ids: object,
+        next_draft_ids: object,
     ) -> None:
         sampled = host_array(sampled_token_ids)  # the one sync: the ids must be validated
         if sampled.size and sampled.dtype.kind not in "iu":
             detail = f"dtype {sampled.dtype}: needs integer ids"
             raise InconsistentSchedulerOutputError(None, "sampled_token_ids", detail)
+        if next_draft_ids is not None:  # refused after the ids' shape checks, as spec orders them
+            token_rows(sampled, len(req_ids))
+            proposed_ids(next_draft_ids, len(req_ids), self.dev.config)
         prepared = (self.dev, state, req_ids, rows, seq_lens)
         if sampled.ndim > 1 or drafts is not None:
             record_accepted(*prepared, drafts, sampled)
         else:
             record_one_per_row(*prepared, sampled)
+
+    def placeholder_drafts(self, rows: np.ndarray, num_drafts: np.ndarray) -> torch.Tensor:
+        raise RuntimeError("placeholder drafts need async scheduling: validation refuses them without it")
 
     def known_counts(self, state: PoolState) -> tuple[np.ndarray, np.ndarray]:
         return state.num_known_tokens, state.num_computed_tokens
@@ -130,6 +142,9 @@ class Ahead:
         state.num_unverified_drafts[:] = 0  # the step after this one is scheduled knowing the verdicts
         replaced = plan.tables[0].rows[plan.tables[0].replaced]  # new and resumed requests' rows
         self.state.commit(plan, without(plan.rows, replaced, state.config.max_num_reqs))  # rule 2 on the device
+        placeholders = placeholder_rows(plan)
+        if placeholders is not None:  # rule 8: at the corrected count, so after the commit
+            self.state.take_proposals(*placeholders)
 
     def batch_fields(
         self,
@@ -160,31 +175,41 @@ class Ahead:
         seq_lens: np.ndarray,
         drafts: tuple[np.ndarray, np.ndarray] | None,
         sampled_token_ids: object,
+        next_draft_ids: object,
     ) -> None:
         """What the host can check without the values now, the rest on the device (in host mode, NumPy)."""
-        host_mode = self.state.host_mode
-        sampled: np.ndarray | torch.Tensor
-        if isinstance(sampled_token_ids, torch.Tensor):
-            dtype = sampled_token_ids.dtype
-            if sampled_token_ids.numel() and (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool):
-                detail = f"dtype {str(dtype).removeprefix('torch.')}: needs integer ids"
-                raise InconsistentSchedulerOutputError(None, "sampled_token_ids", detail)
-            device = "cpu" if host_mode else self.dev.device  # host mode: a view of CPU ids (no grad on integers)
-            on_device = sampled_token_ids.to(device)
-            sampled = on_device.numpy() if host_mode else on_device
-        else:
-            ids = np.asarray(sampled_token_ids)
-            if ids.size and ids.dtype.kind not in "iu":
-                raise InconsistentSchedulerOutputError(
-                    None, "sampled_token_ids", f"dtype {ids.dtype}: needs integer ids"
-                )
-            sampled = ids if host_mode else torch.from_numpy(np.ascontiguousarray(ids)).to(self.dev.device)
+        sampled = self._integers(sampled_token_ids, "sampled_token_ids")
         shape = tuple(sampled.shape)
         if len(shape) not in (1, 2) or shape[0] != len(req_ids):  # spec's shape errors (the values are not read)
             accepted_rows(np.empty(shape if len(shape) != 2 else (shape[0], 0), np.int64), len(req_ids))
+        proposed = None
+        if next_draft_ids is not None:  # spec.drafts.proposed_ids's checks, the values not read (rule 8)
+            proposed = self._integers(next_draft_ids, "next_draft_ids")
+            if proposed.ndim != 2 or proposed.shape[0] != len(req_ids):
+                detail = f"shape {tuple(proposed.shape)}: needs [num_reqs={len(req_ids)}, num_proposed]"
+                raise InconsistentSchedulerOutputError(None, "next_draft_ids", detail)
+            proposed = proposed.astype(np.int64) if isinstance(proposed, np.ndarray) else proposed.to(torch.int64)
         num_drafts, draft_ids = drafts or (np.zeros(rows.size, np.int64), np.zeros(0, np.int64))
         takes = seq_lens == state.num_known_tokens[rows] + num_drafts  # [num_reqs] the step reached its last input
-        self.state.record(state, applied_steps, req_ids, rows, takes, num_drafts, draft_ids, sampled)
+        self.state.record(state, applied_steps, req_ids, rows, takes, num_drafts, draft_ids, sampled, proposed)
+
+    def _integers(self, ids: object, field: str) -> np.ndarray | torch.Tensor:
+        """The caller's ids where the record reads them (host mode: NumPy; else the device), an integer dtype."""
+        host_mode = self.state.host_mode
+        if isinstance(ids, torch.Tensor):
+            dtype = ids.dtype
+            if ids.numel() and (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool):
+                detail = f"dtype {str(dtype).removeprefix('torch.')}: needs integer ids"
+                raise InconsistentSchedulerOutputError(None, field, detail)
+            on_device = ids.to("cpu" if host_mode else self.dev.device)  # host mode: a view of CPU ids
+            return on_device.numpy() if host_mode else on_device
+        array = np.asarray(ids)
+        if array.size and array.dtype.kind not in "iu":
+            raise InconsistentSchedulerOutputError(None, field, f"dtype {array.dtype}: needs integer ids")
+        return array if host_mode else torch.from_numpy(np.ascontiguousarray(array)).to(self.dev.device)
+
+    def placeholder_drafts(self, rows: np.ndarray, num_drafts: np.ndarray) -> torch.Tensor:
+        return self.state.batch_drafts(rows, num_drafts)
 
     def known_counts(self, state: PoolState) -> tuple[np.ndarray, np.ndarray]:
         """The host's counts are optimistic until read: ask the device (a sync)."""
@@ -199,3 +224,16 @@ def host_array(x: object) -> np.ndarray:
     if isinstance(x, torch.Tensor):
         return x.detach().cpu().numpy()
     return np.asarray(x)
+
+
+def placeholder_rows(plan: StepPlan) -> tuple[np.ndarray, np.ndarray] | None:
+    """([p] req_state_idx, [p] drafts) of the plan's requests whose drafts are placeholders (rule 8), or None."""
+    if plan.num_drafts is None:
+        return None
+    firsts = np.cumsum(plan.num_drafts) - plan.num_drafts  # [n] each request's first draft in draft_ids
+    drafting = plan.num_drafts > 0
+    on_device = np.zeros(plan.num_drafts.shape[0], bool)
+    on_device[drafting] = plan.draft_ids[firsts[drafting]] == PLACEHOLDER_TOKEN_ID  # never a mix (validation)
+    if not on_device.any():
+        return None
+    return plan.rows[on_device], plan.num_drafts[on_device]

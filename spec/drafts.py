@@ -126,14 +126,14 @@ def proposed_ids(next_draft_ids: object, num_reqs: int, config: WorkerConfig) ->
         return None
     field = "next_draft_ids"
     if not config.async_scheduling:
-        detail = "drafts proposed on the device need WorkerConfig.async_scheduling (the scheduler sends the ids)"
-        raise InconsistentSchedulerOutputError(None, field, detail)
+        synchronous = "drafts proposed on the device need WorkerConfig.async_scheduling (the scheduler sends the ids)"
+        raise InconsistentSchedulerOutputError(None, field, synchronous)
     proposed = np.asarray(next_draft_ids)
     if proposed.size and proposed.dtype.kind not in "iu":
         raise InconsistentSchedulerOutputError(None, field, f"dtype {proposed.dtype}: needs integer ids")
     if proposed.ndim != 2 or proposed.shape[0] != num_reqs:
-        detail = f"shape {proposed.shape}: needs [num_reqs={num_reqs}, num_proposed]"
-        raise InconsistentSchedulerOutputError(None, field, detail)
+        shape = f"shape {proposed.shape}: needs [num_reqs={num_reqs}, num_proposed]"
+        raise InconsistentSchedulerOutputError(None, field, shape)
     return proposed.astype(np.int64)
 
 

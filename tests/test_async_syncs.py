@@ -41,6 +41,51 @@ def _syncs_of_a_step(config: WorkerConfig, interpreted: bool) -> dict[str, list[
     return counted
 
 
+def _syncs_of_device_drafts(interpreted: bool, device: str = "cpu") -> dict[str, list[str]]:
+    """Drafts proposed on the device (rule 8): two placeholder steps back to back, the second sent before the
+    verdict on the first; the counted calls of each record and of each step."""
+    config = dataclasses.replace(CONFIG, async_scheduling=True)
+    with interpret(interpreted):
+        pool = fast.RequestStatePool(config, device)
+        first = SchedulerOutput(new_requests=(NewRequest("a", (1, 2, 3), ((3,),)),), num_scheduled_tokens={"a": 3})
+        pool.apply(first)
+        batch = pool.prepare(first)
+        with HostSyncCounter() as record:
+            pool.record_sampled(batch, torch.tensor([7], device=device), torch.tensor([[5, 6]], device=device))
+        with HostSyncCounter() as step:
+            drafting = SchedulerOutput(cached_requests=(CachedRequest("a", 3),), num_scheduled_tokens={"a": 3},
+                                       scheduled_spec_decode_tokens={"a": (-1, -1)})  # fmt: skip
+            pool.apply(drafting)
+            batch = pool.prepare(drafting)
+        with HostSyncCounter() as record_drafts:
+            pool.record_sampled(batch, torch.tensor([[5, 9, -1]], device=device), torch.tensor([[4, 8]], device=device))
+        with HostSyncCounter() as step_ahead:  # counted 3 + 1 + 3 = 7 known, 6 in truth: sent at 6, run at 5
+            ahead = SchedulerOutput(cached_requests=(CachedRequest("a", 6),), num_scheduled_tokens={"a": 3},
+                                    scheduled_spec_decode_tokens={"a": (-1, -1)})  # fmt: skip
+            pool.apply(ahead)
+            batch = pool.prepare(ahead)
+    if device == "cuda":
+        torch.cuda.set_sync_debug_mode("default")  # the checks below read the device
+    assert batch.positions.tolist() == [5, 6, 7] and batch.input_ids.tolist() == [9, 4, 8]
+    return {"record": record.calls, "step": step.calls, "record_drafts": record_drafts.calls,
+            "step_ahead": step_ahead.calls}  # fmt: skip
+
+
+def test_drafts_proposed_on_the_device_wait_for_nothing() -> None:
+    # the step ahead is the apply after the first record's next: it reads that record's copy, started at the record
+    # (on CUDA behind an event, fast.runtime.HostCopy): written, known, faults, tokens and proposals, one view each
+    counted = _syncs_of_device_drafts(interpreted=True)
+    assert counted == {"record": [], "step": [], "record_drafts": [], "step_ahead": ["numpy"] * 5}
+
+
+def test_in_host_mode_drafts_proposed_on_the_device_view_host_memory() -> None:
+    # one NumPy view of the sampled ids and one of the proposals per record (the first also of the proposals'
+    # buffer it makes), nothing in the steps
+    views = ["numpy", "numpy"]
+    assert _syncs_of_device_drafts(interpreted=False) == {"record": [*views, "numpy"], "step": [],
+                                                          "record_drafts": views, "step_ahead": []}  # fmt: skip
+
+
 def test_async_record_sampled_and_the_next_step_wait_for_nothing() -> None:
     # the Triton path, CUDA's, here under the interpreter: launches only
     counted = _syncs_of_a_step(dataclasses.replace(CONFIG, async_scheduling=True), interpreted=True)
@@ -77,3 +122,13 @@ def test_on_cuda_the_async_step_passes_sync_debug_mode_error() -> None:
         pool.prepare(decode)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (scripts/gpu-check runs it)")
+def test_on_cuda_drafts_proposed_on_the_device_pass_sync_debug_mode_error() -> None:
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        counted = _syncs_of_device_drafts(interpreted=False, device="cuda")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert counted == {"record": [], "step": [], "record_drafts": [], "step_ahead": ["numpy"] * 5}

@@ -3,7 +3,8 @@
 Two launches, one program per taking row each. The first checks the row's ids as spec.drafts.check_accepted
 does and writes its token count and verdict; the second reads every verdict (a fault anywhere makes every row
 append 1 + k placeholders instead, spec/async_steps.py rule 6) and appends. The split is the grid-wide barrier
-between "any row faulty?" and the writes; nothing comes back to the host. Reductions are spelled with tl.reduce,
+between "any row faulty?" and the writes; nothing comes back to the host. The drafter's proposals (rule 8, a few
+ids per row) are checked and kept with tensor operations around the two launches. Reductions are spelled with tl.reduce,
 as in fast/kernels/paged_attention.py (the interpreter cannot call tl.max's own jitted function).
 """
 
@@ -33,6 +34,7 @@ def record_ahead_triton(
     max_drafts: int,  # the most drafts of any taking row
     vocab: int,
     max_len: int,
+    drafter: tuple[torch.Tensor, torch.Tensor] | None = None,  # ([n, P] int64 proposed, [R, >= P] int64 proposals)
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # [m] written, [m] known before, [m] int32 faults
     m, w = taking.shape[0], tokens.shape[1]
     for name, t in (("tokens", tokens), ("taking", taking), ("rows", rows), ("num_drafts", num_drafts),
@@ -53,12 +55,18 @@ def record_ahead_triton(
         tokens, taking, num_drafts, draft_starts, draft_ids, rows, num_known, counts, known, faults,
         w, vocab, max_len, ONE_PER_ROW=one_per_row, BLOCK=block,
     )  # fmt: skip
+    if drafter is not None:  # rule 8: a proposal outside the vocabulary is the row's fault too (tensor ops: per row)
+        proposed = drafter[0][taking]  # [m, P]
+        faults |= ((proposed < 0) | (proposed >= vocab)).any(dim=1).to(torch.int32)
     append_block = triton.next_power_of_2(max(w, 1 + max_drafts))  # a row writes its ids, or 1 + k placeholders
     _append_sampled_kernel[(m,)](
         tokens, taking, rows, num_drafts, counts, known, faults, m, num_known, num_rejected, written, token_ids,
         token_ids.stride(0), w, max_len, PLACEHOLDER=PLACEHOLDER_TOKEN_ID, BLOCK=append_block,
         FAULTS_BLOCK=FAULTS_BLOCK,
     )  # fmt: skip
+    if drafter is not None:  # each taking row keeps them, or placeholders after a fault anywhere (rule 6)
+        kept = torch.where(faults.amax() > 0, torch.full_like(proposed, PLACEHOLDER_TOKEN_ID), proposed)
+        drafter[1][rows, : proposed.shape[1]] = kept
     return written, known, faults
 
 
