@@ -36,7 +36,7 @@ def _ids(backend: BackendHandle, ids: list[int] | list[list[int]]) -> object:
 
 
 def _prefill(backend: BackendHandle, proposed: list[int] | None, config: WorkerConfig = CONFIG) -> StatePool:
-    """"a" prefills positions 0-4 in blocks (3, 4), samples 42, and the drafter proposes `proposed`."""
+    """Request "a" prefills positions 0-4 in blocks (3, 4), samples 42, and the drafter proposes `proposed`."""
     pool = backend.make_pool(config)
     out = SchedulerOutput(new_requests=(NewRequest("a", PROMPT, ((3, 4),)),), num_scheduled_tokens={"a": 5})
     pool.apply(out)
@@ -140,9 +140,15 @@ def test_a_new_request_never_drafts_from_a_previous_owners_proposals(backend: Ba
     pool = _prefill(backend, [7, 8], config)
     new_b = NewRequest("b", (20, 21), ((6,),))
     with pytest.raises(UnknownTokenError, match="proposed 0 for a new request"):
-        pool.apply(SchedulerOutput(new_requests=(new_b,), num_scheduled_tokens={"b": 3}, finished_req_ids={"a"},
-                                   scheduled_spec_decode_tokens={"b": (P,)}))  # fmt: skip
-    out = SchedulerOutput(new_requests=(new_b,), num_scheduled_tokens={"b": 2}, finished_req_ids={"a"})
+        pool.apply(
+            SchedulerOutput(
+                new_requests=(new_b,),
+                num_scheduled_tokens={"b": 3},
+                finished_req_ids=frozenset({"a"}),
+                scheduled_spec_decode_tokens={"b": (P,)},
+            )
+        )
+    out = SchedulerOutput(new_requests=(new_b,), num_scheduled_tokens={"b": 2}, finished_req_ids=frozenset({"a"}))
     pool.apply(out)
     assert pool.row_of("b") == 0
     pool.record_sampled(pool.prepare(out), _ids(backend, [30]))
@@ -169,7 +175,7 @@ def test_a_proposal_outside_the_vocabulary_is_reported_late(backend: BackendHand
     got = backend.batch_to_numpy(pool.prepare(out))
     assert got["input_ids"].tolist() == [P, P, P]
     with pytest.raises(TokenIdError, match="100 not in") as caught:
-        pool.apply(SchedulerOutput(finished_req_ids={"a"}))
+        pool.apply(SchedulerOutput(finished_req_ids=frozenset({"a"})))
     assert (caught.value.req_id, caught.value.field) == ("a", "next_draft_ids")
 
 
@@ -179,7 +185,7 @@ def test_placeholder_drafts_without_async_scheduling_are_refused(backend: Backen
     out = SchedulerOutput(new_requests=(NewRequest("a", PROMPT, ((3, 4),)),), num_scheduled_tokens={"a": 5})
     pool.apply(out)
     batch = pool.prepare(out)
-    with pytest.raises(InconsistentSchedulerOutputError, match="need WorkerConfig.async_scheduling"):
+    with pytest.raises(InconsistentSchedulerOutputError, match=r"need WorkerConfig\.async_scheduling"):
         pool.record_sampled(batch, _ids(backend, [42]), _ids(backend, [[7]]))
     pool.record_sampled(batch, _ids(backend, [42]))  # the refused call took nothing
     with pytest.raises(TokenIdError, match="-1 not in"):
@@ -188,8 +194,11 @@ def test_placeholder_drafts_without_async_scheduling_are_refused(backend: Backen
 
 @pytest.mark.parametrize(
     ("proposed", "match"),
-    [(np.zeros((2, 2), np.int64), r"shape \(2, 2\)"), (np.zeros(1, np.int64), r"shape \(1,\)"),
-     (np.zeros((1, 2), np.float32), "dtype float32")],  # fmt: skip
+    [
+        (np.zeros((2, 2), np.int64), r"shape \(2, 2\)"),
+        (np.zeros(1, np.int64), r"shape \(1,\)"),
+        (np.zeros((1, 2), np.float32), "dtype float32"),
+    ],
 )
 def test_malformed_proposals_are_refused_at_once(backend: BackendHandle, proposed: np.ndarray, match: str) -> None:
     pool = backend.make_pool(CONFIG)

@@ -107,9 +107,13 @@ class AheadState:
             if placeholders:
                 own_drafts = self._stored_drafts_host(taking_rows, k)
                 draft_ids = own_drafts
+            if isinstance(proposed, torch.Tensor):  # fast/step_modes.py hands host mode NumPy
+                raise TypeError("host mode records NumPy proposals")
             copy = self._record_host(tokens, taking, taking_rows, k, draft_ids, starts, one_per_row, proposed)
             placeholders = False  # own_drafts holds the values: nothing more to copy
         else:
+            if isinstance(proposed, np.ndarray):
+                raise TypeError("the device path records proposals on the device")
             copy = self._record_device(tokens, taking, taking_rows, k, draft_ids, starts, one_per_row, proposed,
                                        placeholders)  # fmt: skip
         self.in_flight.append(_Record(applied_steps, req_ids, taking, taking_rows, k, own_drafts, one_per_row, copy,
