@@ -32,6 +32,7 @@ TINY_HYBRID = "tests/test_tiny_hybrid.py"
 FP8_FAST = "tests/test_fast_fp8.py"
 ATTENTION_FAST = "tests/test_fast_attention.py"
 ASYNC = "conformance/test_async.py"
+ASYNC_DRAFTS = "conformance/test_async_drafts.py"
 CROSS = "conformance/test_cross_attention.py"
 MROPE = "conformance/test_mrope.py"
 ONE_POOL = "conformance/test_one_pool.py"
@@ -108,6 +109,62 @@ MUTANTS: tuple[Mutant, ...] = (
         "not_a_draft = tl.reduce((kept & (cols < count - 1) & (t != draft))",
         "not_a_draft = tl.reduce((kept & (cols < count - 2) & (t != draft))",
         (ASYNC,),
+    ),
+    Mutant(
+        "async-proposals-of-a-previous-owner",
+        "async rule 8: a freed row keeps no proposals for its next owner (vllm-ascend #13864)",
+        "spec/state.py",
+        "            self.num_proposed[freed] = 0  # nor its previous owner's proposals\n",
+        "",
+        (ASYNC_DRAFTS,),
+    ),
+    Mutant(
+        "async-proposals-kept-on-resume",
+        "async rule 8: a new or resumed request drafts only from a new proposal",
+        "spec/async_steps.py",
+        "proposed = 0 if row is None or req_id in resumed else int(state.num_proposed[row])",
+        "proposed = 0 if row is None else int(state.num_proposed[row])",
+        (ASYNC_DRAFTS,),
+    ),
+    Mutant(
+        "async-stale-proposals-kept",
+        "async rule 8: a record without the drafter's ids leaves its rows none (fast's host bookkeeping)",
+        "fast/async_steps.py",
+        "num_proposed[rows[b]] = width if takes[b] else 0",
+        "num_proposed[rows[b]] = max(width, num_proposed[rows[b]]) if takes[b] else 0",
+        (ASYNC_DRAFTS,),
+    ),
+    Mutant(
+        "async-proposals-unchecked-spec",
+        "async rule 8: a proposal outside the vocabulary is a late TokenIdError (spec)",
+        "spec/async_steps.py",
+        "bad = proposed[b][(proposed[b] < 0) | (proposed[b] >= config.vocab_size)]",
+        "bad = proposed[b][(proposed[b] < 0) & (proposed[b] >= config.vocab_size)]",
+        (ASYNC_DRAFTS,),
+    ),
+    Mutant(
+        "async-proposals-unchecked-host",
+        "async rule 8: a proposal outside the vocabulary is a late TokenIdError (fast, host mode)",
+        "fast/async_steps.py",
+        "fault = fault or proposed[b, j] < 0 or proposed[b, j] >= vocab",
+        "fault = fault or proposed[b, j] < 0",
+        (ASYNC_DRAFTS,),
+    ),
+    Mutant(
+        "async-proposals-unchecked-kernel",
+        "async rule 8: a proposal outside the vocabulary is a late TokenIdError (fast, Triton path)",
+        "fast/kernels/record_ahead.py",
+        "faults |= ((proposed < 0) | (proposed >= vocab)).any(dim=1).to(torch.int32)",
+        "faults |= (proposed < 0).any(dim=1).to(torch.int32)",
+        (ASYNC_DRAFTS,),
+    ),
+    Mutant(
+        "async-device-drafts-not-copied",
+        "async rule 8: the model reads the drafter's ids at the draft positions (fast, Triton path)",
+        "fast/async_steps.py",
+        "self.dev.token_ids.index_put_((row_index, self.num_known[row_index] + draft), values)",
+        "values.zero_()",
+        (ASYNC_DRAFTS,),
     ),
     Mutant(
         "async-resume-past-unread-verdict",
