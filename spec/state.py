@@ -78,7 +78,9 @@ class PoolState:
         # What a host scheduling ahead knows of the last record_sampled without its values (spec/async_steps.py):
         self.sampled_in = np.full(rows, -1, np.int64)  # [R] batch_idx of the last recorded batch the row sampled in
         self.num_unverified_drafts = np.zeros(rows, np.int64)  # [R] drafts of that row whose verdict is unread
-        self.num_proposed = np.zeros(rows, np.int64)  # [R] drafts the drafter proposed at the row's last sample
+        # [R] drafts the drafter proposed at the row's last record (async rule 8); every record sets its batch rows',
+        # so a new owner's first record replaces its predecessor's, and validation gives a new or resumed one none
+        self.num_proposed = np.zeros(rows, np.int64)
         self.block_tables = [  # per group: [R, max_blocks_per_req(g)], unused entries NULL_BLOCK_ID
             np.full((rows, config.max_blocks_per_req(g)), NULL_BLOCK_ID, BLOCK_ID_DTYPE)
             for g in range(len(config.kv_groups))
@@ -105,7 +107,6 @@ class PoolState:
             self.num_computed_tokens[freed] = 0
             self.num_blocks[:, freed] = 0
             self.sampled_in[freed] = -1  # a new owner of the row has no pending token
-            self.num_proposed[freed] = 0  # nor its previous owner's proposals
             for table in self.block_tables:
                 table[freed] = NULL_BLOCK_ID  # no stale ids survive into the next owner's row
         if plan.new_rows.size:
@@ -113,8 +114,6 @@ class PoolState:
                 self.req_ids[row] = req_id
                 self.row_of[req_id] = row
             self.num_known_tokens[plan.new_rows] = plan.prompt_lens
-        if plan.tables:  # a new or resumed request drafts from a new proposal, not one made before its table changed
-            self.num_proposed[plan.tables[0].rows[plan.tables[0].replaced]] = 0
         for g, writes in enumerate(plan.tables):
             if writes.rows.size:
                 self.write_table(g, writes)

@@ -112,9 +112,9 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "async-proposals-of-a-previous-owner",
-        "async rule 8: a freed row keeps no proposals for its next owner (vllm-ascend #13864)",
-        "spec/state.py",
-        "            self.num_proposed[freed] = 0  # nor its previous owner's proposals\n",
+        "async rule 8: a row's next owner drafts from no proposal of its predecessor (vllm-ascend #13864)",
+        "spec/async_steps.py",
+        "    state.num_proposed[rows] = 0  # a row that does not take its sample proposes nothing\n",
         "",
         (ASYNC_DRAFTS,),
     ),
