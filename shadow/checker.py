@@ -247,22 +247,30 @@ class ShadowChecker:
                 raise report
         return self.reports[first:]
 
-    def record_sampled(self, sampled: object) -> list[ShadowReport]:
-        """The engine's accepted tokens: req_id -> token(s), or rows in its batch order (shadow_inputs.engine_rows)."""
+    def record_sampled(
+        self, sampled: object, proposed: Mapping[str, Sequence[int]] | None = None
+    ) -> list[ShadowReport]:
+        """The engine's accepted tokens: req_id -> token(s), or rows in its batch order (shadow_inputs.engine_rows).
+
+        `proposed` (async scheduling with a drafter on the device, spec/async_steps.py rule 8): req_id -> the ids
+        its drafter proposed for the next step; a request left out has none (PLACEHOLDER_TOKEN_ID, refused late
+        if it took its sample)."""
         batch = self._batch
         if batch is None:
             raise RuntimeError("check() a step before recording its samples")
         step = self.steps[-1]
         rows = engine_rows(sampled, step.req_ids)  # misuse raises ValueError here, with nothing changed
         step.sampled = rows
+        step.proposed = None if proposed is None else {r: tuple(int(t) for t in ids) for r, ids in proposed.items()}
         first, self._batch = len(self.reports), None
         index = {r: e for e, r in enumerate(step.req_ids)}
         spec_rows = rows[[index[r] for r in batch.req_ids]] if batch.num_reqs else np.zeros((0, 1), np.int64)
+        next_draft_ids = None if proposed is None else proposal_rows(proposed, batch.req_ids)
         refusals: list[ScheduleError] = []
         dropped: set[str] = set()
         while True:
             try:
-                self.pool.record_sampled(batch, spec_rows)
+                self.pool.record_sampled(batch, spec_rows, next_draft_ids)
                 break
             except ScheduleError as error:
                 refusals.append(error)
@@ -318,7 +326,8 @@ class ShadowChecker:
     def _convert(self, record: Record | None, lost: set[str]) -> SchedulerOutput:
         if isinstance(record, SchedulerOutput):
             return record
-        return from_vllm(record, HeldTokens(self.view), num_prompt_tokens=self._prompt_lens, skip=lost)
+        return from_vllm(record, HeldTokens(self.view), num_prompt_tokens=self._prompt_lens, skip=lost,
+                         drafts_on_device=self.config.async_scheduling)  # fmt: skip
 
     def _track(self, record: Record | None, applied: SchedulerOutput, dropped: frozenset[str]) -> None:
         """Requests spec stops or starts following, and vLLM's prompt lengths, after `applied`."""
@@ -384,7 +393,18 @@ def replay(
     for step in steps:
         checker.check(step.sched, step.arrays, step.req_ids)
         if step.sampled is not None:
-            checker.record_sampled(step.sampled)
+            checker.record_sampled(step.sampled, step.proposed)
     if target is not None:
         raise AssertionError(f"replayed {len(steps)} steps without reaching report {target}: no divergence again")
     return checker
+
+
+def proposal_rows(proposed: Mapping[str, Sequence[int]], req_ids: Sequence[str]) -> np.ndarray:
+    """[num_reqs, P] the drafter's ids in batch order, PLACEHOLDER_TOKEN_ID past a request's own (or for one left
+    out): record_sampled's `next_draft_ids`."""
+    width = max((len(ids) for ids in proposed.values()), default=0)
+    rows = np.full((len(req_ids), width), PLACEHOLDER_TOKEN_ID, np.int64)
+    for b, req_id in enumerate(req_ids):
+        ids = proposed.get(req_id, ())
+        rows[b, : len(ids)] = ids
+    return rows

@@ -57,6 +57,7 @@ class ShadowStep:
     req_ids: tuple[str, ...]  # the engine's batch_idx -> req_id
     arrays: dict[str, np.ndarray]  # the engine's fields, copied (padding the comparison ignores trimmed)
     sampled: Any = None  # [num_reqs, width] accepted tokens in the engine's order (-1 after each row's); None: none
+    proposed: dict[str, tuple[int, ...]] | None = None  # req_id -> the drafter's ids on the device (async); None: none
 
 
 def to_numpy(x: Any) -> np.ndarray:

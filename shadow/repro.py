@@ -38,7 +38,8 @@ def reproduction(
             f"config = {config!r}",
             "steps = [",
             *(
-                f"    ShadowStep({s.sched!r}, {tuple(s.req_ids)!r}, {_arrays(s.arrays)}, {_array(s.sampled)}),"
+                f"    ShadowStep({s.sched!r}, {tuple(s.req_ids)!r}, {_arrays(s.arrays)}, {_array(s.sampled)}, "
+                f"{s.proposed!r}),"
                 for s in steps
             ),
             "]",

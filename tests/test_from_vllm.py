@@ -388,6 +388,10 @@ def test_an_empty_draft_list_reads_as_no_drafts() -> None:
 
 def test_placeholder_drafts_and_encoder_inputs_are_refused() -> None:
     _refused(_minimal(scheduled_spec_decode_tokens={"c": [-1, -1]}), "c", "scheduled_spec_decode_tokens")
+    with pytest.raises(VllmConversionError, match="placeholder drafts"):  # a mix, even with a drafter on the device
+        from_vllm(_minimal(scheduled_spec_decode_tokens={"c": [5, -1]}), drafts_on_device=True)
+    placeholders = from_vllm(_minimal(scheduled_spec_decode_tokens={"c": [-1, -1]}), drafts_on_device=True)
+    assert placeholders.scheduled_spec_decode_tokens == {"c": (-1, -1)}  # the pool takes the drafter's ids
     _refused(_minimal(scheduled_encoder_inputs={"n": [0]}), "n", "scheduled_encoder_inputs")
     assert from_vllm(_minimal(scheduled_encoder_inputs={"n": []})).new_requests
 

@@ -39,7 +39,9 @@ Refused:
 - `kv_cache_block_copies` (copy-on-write of KV between blocks before the forward pass), named by the
   request whose blocks hold a copy's destination;
 - non-empty `scheduled_encoder_inputs` (multimodal encoder outputs replace input embeddings);
-- draft ids that are placeholders (-1: async scheduling, the worker fills its own drafts in);
+- draft ids that are placeholders (-1: async scheduling, the worker fills its own drafts in), unless
+  `drafts_on_device` says the pool takes the drafter's ids (spec/async_steps.py, rule 8): then a request's
+  placeholders pass as they are, and a mix of ids and placeholders is still refused;
 - columns of different lengths, a preempted request that is also scheduled, a resumed request not in
   `req_ids`.
 `preempted_req_ids` needs no action: a preempted request keeps its row in slotmap until it resumes.
@@ -244,6 +246,7 @@ def from_vllm(
     *,
     num_prompt_tokens: Mapping[str, int] | None = None,
     skip: Collection[str] = (),
+    drafts_on_device: bool = False,
 ) -> SchedulerOutput:
     """slotmap's SchedulerOutput for a vLLM-shaped one (module docstring).
 
@@ -265,8 +268,10 @@ def from_vllm(
             )
     _refuse_worker_side_ops(out, skip)
     for req_id, tokens in drafts.items():
-        if req_id not in skip and VLLM_PLACEHOLDER_DRAFT in list(tokens):
-            detail = "placeholder drafts (-1, async scheduling): slotmap needs the draft ids"
+        ids = list(tokens)
+        on_device = drafts_on_device and all(t == VLLM_PLACEHOLDER_DRAFT for t in ids)
+        if req_id not in skip and VLLM_PLACEHOLDER_DRAFT in ids and not on_device:
+            detail = "placeholder drafts (-1, async scheduling): slotmap needs the draft ids, or the drafter's"
             raise VllmConversionError(req_id, "scheduled_spec_decode_tokens", detail)
 
     new: list[NewRequest] = []

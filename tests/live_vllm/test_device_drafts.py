@@ -10,10 +10,11 @@ are compared, two ways:
   kept step by step, the drafter's proposals, the block ids the scheduler sent. A request's computed count
   at a decoding step is the number of tokens it holds minus one (the last kept token is the step's first
   input), so it never comes from the scheduler's count or from vLLM's correction formula.
-- `replay` feeds the records to slotmap's `ShadowChecker` (spec). Synchronously spec agrees on every step
-  (the live shadow checked the same steps). Under async scheduling spec stops where it stops today: drafts
-  right after drafts whose verdict the host has not read are refused (check 8); `drafts_of` is where the
-  drafter's proposals enter, the place for spec's device-proposed drafts once it takes them.
+- `replay` feeds the records to slotmap's `ShadowChecker` (spec). Synchronously each step carries the ids
+  v1's scheduler would send (`drafts_of`), and spec agrees on every step (the live shadow checked the same
+  steps). Under async scheduling the steps keep vLLM's placeholders and each record hands spec the drafter's
+  proposals (`next_draft_ids`, spec/async_steps.py rule 8): spec agrees on every step, drafts right after
+  unverified drafts, preemption and retaken rows included.
 """
 
 from __future__ import annotations
@@ -241,9 +242,14 @@ def drafts_of(step: DraftStep, proposed: dict[str, list[int]]) -> dict[str, list
     return {r: proposed[r][: len(ids)] for r, ids in step.sched.scheduled_spec_decode_tokens.items()}
 
 
+def on_device(step: DraftStep, proposed: dict[str, list[int]]) -> dict[str, list[int]]:
+    """The step's draft ids for spec as vLLM sent them: placeholders, the ids being the drafter's (rule 8)."""
+    return dict(step.sched.scheduled_spec_decode_tokens)
+
+
 def replay(w: dict[str, Any], fill: Callable[[DraftStep, dict[str, list[int]]], dict[str, list[int]]]) -> int:
     """Feed the recorded steps to a ShadowChecker with the run's WorkerConfig (async scheduling as the run had
-    it); the number of steps that agreed before a report (raised)."""
+    it, each record with the drafter's proposals); the number of steps that agreed before a report (raised)."""
     config = dataclasses.replace(w["config"], async_scheduling=w["async_scheduling"])
     checker, proposed = ShadowChecker(config, write_repro=False), dict[str, list[int]]()
     for step in w["steps"]:
@@ -253,7 +259,8 @@ def replay(w: dict[str, Any], fill: Callable[[DraftStep, dict[str, list[int]]], 
         sched.scheduled_spec_decode_tokens = fill(step, proposed)
         arrays = {name: v for name, v in step.arrays.items() if name not in RECORD_ONLY}
         checker.check(sched, arrays, step.req_ids)
-        checker.record_sampled({r: t[0] if len(t) == 1 else t for r, t in step.kept.items() if t})
+        kept = {r: t[0] if len(t) == 1 else t for r, t in step.kept.items() if t}
+        checker.record_sampled(kept, step.proposed if w["async_scheduling"] else None)
         proposed.update(step.proposed)
     return len(w["steps"])
 
@@ -328,13 +335,23 @@ def test_sync_steps_are_checked_by_spec(served: dict[str, Any], name: str) -> No
     assert replay(w, drafts_of) == len(w["steps"])  # the records are what the live shadow saw
 
 
+@pytest.mark.parametrize("name", ASYNC)
+def test_async_steps_with_drafts_on_the_device_are_checked_by_spec(served: dict[str, Any], name: str) -> None:
+    """Async rule 8 (docs/semantics.md, "Drafts proposed on the device"): every step agrees, those whose request
+    drafted in the step before (verdict unread) included."""
+    w = workload(served, name)
+    assert first_drafts_after_unverified_drafts(w["steps"]) > 0  # the runs reach drafts after unverified drafts
+    assert replay(w, on_device) == len(w["steps"])
+
+
 @pytest.mark.parametrize("name", ["eagle_async", "draft_async"])
-def test_spec_refuses_async_drafts_right_after_unverified_drafts(served: dict[str, Any], name: str) -> None:
-    """Today's limit (docs/semantics.md, "No drafts right after drafts"): every step agrees until the first
-    one whose request drafted in the step before, which spec refuses with check 8."""
+def test_async_drafts_the_scheduler_sends_right_after_unverified_drafts_are_refused(
+    served: dict[str, Any], name: str
+) -> None:
+    """The other form (docs/semantics.md, "No drafts sent right after drafts"): the same steps with the ids in the
+    output, as a host drafter would have to send them, are refused at the first draft after unverified drafts."""
     steps = workload(served, name)["steps"]
     first = first_drafts_after_unverified_drafts(steps)
     with pytest.raises(ShadowRefusalError, match="UnknownTokenError") as refused:
         replay(workload(served, name), drafts_of)
     assert refused.value.step == first and refused.value.field == "scheduled_spec_decode_tokens"
-    assert first > 0  # the steps before it agreed
