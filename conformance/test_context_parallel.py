@@ -9,6 +9,8 @@ conformance/test_context_parallel_ranks.py.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -28,6 +30,7 @@ from conformance.context_parallel import (
 )
 from conformance.scheduler import ReferenceScheduler, make_workload
 from spec.context_parallel import ContextParallel
+from spec.drafts import pad_accepted
 
 MAX_STEPS = 14
 # The Triton interpreter runs every rank's prepare, write_kv and paged_attention kernels ~1000x slower than
@@ -81,3 +84,51 @@ def test_every_rank_matches_spec_and_merges_to_single_rank(
         sched.update(out, targets)
         steps += 1
     assert steps >= min(6, max_steps), "the workload ran too few steps to mean anything"
+
+
+@pytest.mark.parametrize(("world_size", "interleave", "seed"), [(2, 1, 4), (2, 2, 5)])
+def test_under_async_scheduling_each_rank_reads_the_corrected_counts(
+    backend: BackendHandle, world_size: int, interleave: int, seed: int
+) -> None:
+    """vllm-ascend #10032: with async scheduling and drafts, each rank's slots and local lengths come from the
+    counts corrected by the rejected drafts (spec/async_steps.py rule 2), never from the scheduler's optimistic
+    ones: every rank of the backend's batch equals spec's and merges to spec's single-rank attention, on steps
+    the scheduler sent counting drafts the sampler had rejected."""
+    functions = cp_functions(backend)
+    if functions is None:
+        pytest.skip(f"{backend.name} offers no context_parallel functions (an optional part of a backend)")
+    config = dataclasses.replace(cp_worker_config(world_size, interleave), async_scheduling=True)
+    workload = make_workload(seed, config, num_requests=3, max_arrival_step=2, max_new_tokens=10)
+    knobs = dataclasses.replace(CP_KNOBS, spec_tokens=2, acceptance_rate=0.3)
+    sched = ReferenceScheduler(config, workload, knobs, seed=seed)
+    pool, spec_pool = backend.make_pool(config), spec.RequestStatePool(config)
+    qkv = TinyQKV(config.vocab_size, seed)
+    cps = [ContextParallel(world_size, rank, interleave) for rank in range(world_size)]
+    ranks = [RankModel(backend, functions, config, cp, qkv) for cp in cps]
+    single = SingleRank(config, qkv)
+    rng = np.random.default_rng(seed)
+    steps, max_steps = 0, 8 if backend.slow else 24
+    while not sched.done() and steps < max_steps:
+        out = sched.schedule()
+        pool.apply(out)
+        spec_pool.apply(out)
+        batch, spec_batch = pool.prepare(out), spec_pool.prepare(out)
+        results = [rank.step(batch) for rank in ranks]
+        for cp, (ranked, _) in zip(cps, results, strict=True):
+            expected = spec_cp.rank_inputs(spec_batch, config, cp)
+            got_slots, got_lens = backend.to_numpy(ranked.slot_mappings[0]), backend.to_numpy(ranked.seq_lens[0])
+            assert np.array_equal(got_slots, expected.slot_mappings[0]), f"step {steps} rank {cp.rank}"
+            assert np.array_equal(got_lens, expected.seq_lens[0]), f"step {steps} rank {cp.rank}"
+        partials = [p for _, p in results]
+        merged, merged_lse = merge_partials(backend, functions, [p.output for p in partials], [p.lse for p in partials])
+        replicated = [backend.to_numpy(p.replicated) for p in partials]
+        check_attention(merged, merged_lse, replicated, single.step(spec_batch), spec_batch.num_tokens)
+        takes = set(sched.sampling_req_ids(out))
+        targets = {r: int(rng.integers(config.vocab_size)) for r in takes}
+        kept = sched.rejection_step(out, targets)
+        ids = pad_accepted([list(kept.get(r, (0,))) for r in spec_batch.req_ids])
+        pool.record_sampled(batch, backend.asarray(ids))
+        spec_pool.record_sampled(spec_batch, ids)
+        sched.update(out, kept)
+        steps += 1
+    assert sched.stats.optimistic_counts > 0, "no step was sent with an optimistic count"

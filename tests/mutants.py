@@ -271,6 +271,24 @@ MUTANTS: tuple[Mutant, ...] = (
         (ASYNC,),
     ),
     Mutant(
+        "async-cp-lengths-from-optimistic-counts",
+        "context parallelism under async scheduling: each rank's slots and lengths from the corrected count (the "
+        "Triton path's correction skipped; vllm-ascend #10032)",
+        "fast/async_steps.py",
+        "            self.dev.num_computed[cont] -= self.num_rejected[cont]\n",
+        "",
+        (CONTEXT_PARALLEL,),
+    ),
+    Mutant(
+        "async-cp-lengths-from-optimistic-counts-spec",
+        "context parallelism under async scheduling: each rank's slots and lengths from the corrected count (spec's "
+        "correction skipped for continuing requests)",
+        "spec/async_steps.py",
+        "    state.num_computed_tokens[continuing] -= num_rejected[continuing]\n",
+        "",
+        (CONTEXT_PARALLEL,),
+    ),
+    Mutant(
         "async-pending-token-for-a-new-owner",
         "async scheduling: a new request on a retaken row has no pending token (vLLM #37159)",
         "spec/state.py",
