@@ -299,7 +299,8 @@ def test_a_new_request_on_the_row_of_one_aborted_before_its_verdict_takes_nothin
         pool.apply(out)
         batch = pool.prepare(out)
         got = backend.batch_to_numpy(batch)
-        assert got["positions"].tolist() == [num_computed] and got["slot_mappings"][0].tolist() == [4 * 16 + num_computed]
+        assert got["positions"].tolist() == [num_computed]
+        assert got["slot_mappings"][0].tolist() == [4 * 16 + num_computed]
         assert got["input_ids"].tolist() == [[30, 31][step]] and got["pending_token_indices"].tolist() == [0]
         pool.record_sampled(batch, _ids(backend, [31 + step]))
     (row,) = pool.snapshot()

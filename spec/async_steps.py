@@ -40,7 +40,10 @@ on the device. What changes, rule by rule (docs/semantics.md, "Async scheduling"
    scheduler resets the in-flight placeholders on preemption and resumes over the tokens it has): past them,
    the position of each token depends on how many drafts were rejected, and rule 2 corrects no resumed count.
    Refused otherwise (UnknownTokenError, check 8), in every backend alike. Without drafts the record's one
-   sample has one position, and rule 3 finds it.
+   sample has one position, and rule 3 finds it. No verdict moves a resumed step's start: rule 4 checks its
+   window from there. Its neighbours: after a step whose batch was not recorded (no tokens: an engine runs no
+   model on it), no row has a pending token (rule 3 names the batch run just before); a new request on the row
+   of one aborted before its verdict is read takes nothing of it (no pending token, no rejected drafts).
 
 8. Drafts proposed on the device. Under async scheduling the drafter runs on the device right after the sampler
    (vLLM's model runner v2 keeps its output in `req_states.draft_tokens`), so the scheduler knows the drafts only by

@@ -590,7 +590,6 @@ class ReferenceScheduler:
             else:
                 unheld.append(req.req_id)
 
-
     # ---- async scheduling: the neighbours of a resumption (spec/async_steps.py, rule 7) ----------------------
     def _async_knob(self, chance: float) -> bool:
         """A knob's draw under async scheduling; never in a synchronous run (its outputs stay as they were)."""
