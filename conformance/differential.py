@@ -41,6 +41,7 @@ class Step:
     pad_to: int | None
     # [num_reqs] one id per batch row, or [num_reqs][width] each row's kept tokens padded with -1 (with drafts)
     sampled: tuple[int, ...] | tuple[tuple[int, ...], ...]
+    recorded: bool = True  # record_sampled was called (an engine runs no model on a step with no tokens)
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,11 @@ class Pair:
 
     # ---- valid steps ------------------------------------------------------------------------
     def run_step(
-        self, out: SchedulerOutput, pad_to: int | None, sampled: Callable[[BatchInputs], Sequence[Any]]
+        self,
+        out: SchedulerOutput,
+        pad_to: int | None,
+        sampled: Callable[[BatchInputs], Sequence[Any]],
+        record: bool = True,  # False: the batch is prepared and compared, and not recorded
     ) -> Step:
         self.pending = Step(out, pad_to, ())
         self._call("apply", lambda side: side.pool.apply(out))
@@ -120,6 +125,9 @@ class Pair:
         self.compare_batches(ref_batch, cand_batch)
         if self.attention is not None:
             self.compare_kv_and_attention(ref_batch, cand_batch)
+        if not record:
+            self.pending = None
+            return Step(out, pad_to, (), recorded=False)
         tokens = _frozen(sampled(ref_batch))
         self.pending = Step(out, pad_to, tokens)
         ids = np.array(tokens, np.int64)
@@ -345,7 +353,10 @@ class DifferentialRun:
             width = max((len(r) for r in rows), default=1) + int(self.sample_rng.integers(2))  # extra -1 columns
             return tuple((*r, *[PLACEHOLDER_TOKEN_ID] * (width - len(r))) for r in rows)
 
-        step = self.pair.run_step(out, pad_to, sample)
+        # under async scheduling a step with no tokens goes unrecorded, as in an engine that runs no model on it
+        # (vLLM returns before sampling): the next step takes no pending token from an older batch (rule 3)
+        record = out.total_num_scheduled_tokens > 0 or not config.async_scheduling
+        step = self.pair.run_step(out, pad_to, sample, record)
         self.history.append(step)
         sched.update(out, kept)
         self.pair.compare_snapshots("after the step", expected=sched.expected_snapshot())
@@ -382,7 +393,7 @@ def replay(
             if isinstance(s, Invalid):
                 pair.reject(s.out, s.expected)
             else:
-                pair.run_step(s.out, s.pad_to, lambda _batch, s=s: s.sampled)  # type: ignore[misc]
+                pair.run_step(s.out, s.pad_to, lambda _batch, s=s: s.sampled, s.recorded)  # type: ignore[misc]
         except MismatchError as exc:
             raise MismatchError(f"step {i}: {exc.message}") from exc
 

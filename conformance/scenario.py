@@ -28,6 +28,9 @@ SPEC_TOKENS = (0, 0, 1, 2, 3, 5)  # most drafts per request per step; 0 (no spec
 ACCEPTANCE_RATES = (0.0, 0.5, 0.8, 1.0)
 MROPE_SHARE = 0.3  # of the scenarios, the share whose model uses M-RoPE (and whose requests carry tables)
 ASYNC_SHARE = 0.3  # of the scenarios with async_scheduling on offer, the share that schedule one step ahead
+RESUME_AT_ONCE = (0.0, 0.3, 0.7)  # async: chance a request whose drafts' verdict is unread is resumed at once
+IDLE_STEPS = (0.0, 0.3, 0.7)  # async: chance an output with rows to release schedules nothing
+ABORT_AFTER_SAMPLE = (0.0, 0.05, 0.15)  # async: chance a request is aborted before its last sample is read
 ONE_POOL_SHARE = 0.5  # of the scenarios with several KV groups, the share whose groups share one block pool (vLLM's)
 
 
@@ -139,6 +142,7 @@ def random_scenario(
                         drafts_on_admission=rng.random() < 0.5)  # fmt: skip
     knobs = replace(knobs, null_lookahead=rng.random() < 0.5)  # drawn last: earlier seeds' draws stay as they were
     knobs = with_vllm_form_draw(knobs, random.Random(f"vllm form {seed}"))  # its own source: the same scenario
+    knobs = with_resume_draw(knobs, random.Random(f"resume {seed}"))  # its own source too; used only under async
     if attention is not None:  # drawn after everything else, for the same reason
         attention = with_fp8_draw(attention, rng)
     # a multimodal model (spec/mrope.py), for callers that speak M-RoPE (vLLM's scheduler output carries no
@@ -174,6 +178,12 @@ def with_one_block_pool(config: WorkerConfig) -> WorkerConfig:
     pooled = min(sum(g.num_blocks - 1 for g in config.kv_groups) + 1, MAX_BLOCKS)
     groups = tuple(replace(g, num_blocks=pooled) for g in config.kv_groups)
     return replace(config, kv_groups=groups, one_block_pool=True)
+
+
+def with_resume_draw(knobs: SchedulerKnobs, rng: random.Random) -> SchedulerKnobs:
+    """knobs with drawn chances of async scheduling's neighbours of a resumption (spec/async_steps.py, rule 7)."""
+    return replace(knobs, resume_at_once=rng.choice(RESUME_AT_ONCE), idle_steps=rng.choice(IDLE_STEPS),
+                   abort_after_sample=rng.choice(ABORT_AFTER_SAMPLE))  # fmt: skip
 
 
 def with_vllm_form_draw(knobs: SchedulerKnobs, rng: random.Random) -> SchedulerKnobs:

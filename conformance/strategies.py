@@ -26,6 +26,7 @@ from conformance.scenario import (
     min_blocks,
     with_fp8_draw,
     with_one_block_pool,
+    with_resume_draw,
 )
 from conformance.scheduler import RequestShape, SchedulerKnobs, Workload, WorkloadShape, build_workload
 from conformance.scheduler.allocator import ALLOCATION_ORDERS
@@ -150,6 +151,7 @@ def scenarios(
         config = with_mamba_group(config, knobs, random.Random(draw(st.integers(0, 2**32 - 1))))
     elif draw(st.integers(0, 3)) == 0:  # steps scheduled one ahead of the samples (spec/async_steps.py)
         config = replace(config, async_scheduling=True)
+        knobs = with_resume_draw(knobs, random.Random(draw(st.integers(0, 2**32 - 1))))  # rule 7's neighbours
     if len(config.kv_groups) > 1 and draw(st.booleans()):  # vLLM's one block pool for all groups, or one per group
         config = with_one_block_pool(config)
     attention: AttentionSpec | None = draw(attention_specs())

@@ -7,16 +7,18 @@ and every snapshot with spec and with the scheduler's own (synchronous) account 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import functools
 import re
 
 import numpy as np
 import pytest
 from hypothesis import settings
 
-from conformance.backends import BackendHandle
+from conformance.backends import BackendHandle, load_backend
 from conformance.differential import DifferentialRun, budget_for, drive
-from conformance.scenario import random_scenario
+from conformance.scenario import Scenario, random_scenario
 from spec import (
     BlockIdError,
     CachedRequest,
@@ -213,3 +215,133 @@ def test_a_refused_output_in_between_moves_no_clock(backend: BackendHandle) -> N
     out = SchedulerOutput(cached_requests=(CachedRequest("a", 8),), num_scheduled_tokens={"a": 1})
     pool.apply(out)
     assert backend.batch_to_numpy(pool.prepare(out))["positions"].tolist() == [7]
+
+
+# ---- the neighbours of rule 7: a resumption at once, after a step with no tokens, a row retaken after an abort ----
+
+
+def test_a_resumption_at_once_is_checked_from_its_own_window_start(backend: BackendHandle) -> None:
+    # Window 2, block 2. Prompt 5 in blocks (3, 4, 5), sample 42; drafts 7, 8 at positions 6, 7 (block 6), both
+    # rejected. Resumed at once at 4 over positions 4, 5 (the 6 tokens held before), in table (null, 7, 8): the
+    # step reads positions 3..5, entries 1 and 2. Rule 2 does not correct a resumed count, so no verdict moves
+    # its start to 2 (entry 0, null): before, spec and fast refused it with a NullBlockError.
+    config = WorkerConfig(2, 32, 32, 100, (KVCacheGroup(2, 32, sliding_window=2),), async_scheduling=True)
+    pool = backend.make_pool(config)
+    out = SchedulerOutput(new_requests=(NewRequest("a", PROMPT, ((3, 4, 5),)),), num_scheduled_tokens={"a": 5})
+    pool.apply(out)
+    pool.record_sampled(pool.prepare(out), _ids(backend, [42]))
+    out = SchedulerOutput(cached_requests=(CachedRequest("a", 5, ((6,),)),), num_scheduled_tokens={"a": 3},
+                          scheduled_spec_decode_tokens={"a": (7, 8)})  # fmt: skip
+    pool.apply(out)
+    pool.record_sampled(pool.prepare(out), _ids(backend, [[9, -1, -1]]))
+    resumed = SchedulerOutput(cached_requests=(CachedRequest("a", 4, ((0, 7, 8),), resumed=True),),
+                              num_scheduled_tokens={"a": 2})  # fmt: skip
+    pool.apply(resumed)
+    got = backend.batch_to_numpy(pool.prepare(resumed))
+    assert got["positions"].tolist() == [4, 5] and got["input_ids"].tolist() == [14, 42]
+    assert got["slot_mappings"][0].tolist() == [8 * 2, 8 * 2 + 1] and got["seq_lens"].tolist() == [6]
+    assert got["pending_token_indices"].size == 0
+    (row,) = pool.snapshot()
+    assert (row.token_ids, row.num_computed_tokens, row.block_ids) == ((*PROMPT, 42, 9), 4, ((0, 7, 8),))
+
+
+@pytest.mark.parametrize("recorded", [False, True])
+@pytest.mark.parametrize("resumed", [False, True])
+def test_a_step_after_a_step_with_no_tokens_takes_no_pending_token(
+    backend: BackendHandle, recorded: bool, resumed: bool
+) -> None:
+    # "a" samples 42 and "b" 50; the next output only finishes "b" (no tokens: an engine runs no model on it, and
+    # may not record its empty batch). The step after it runs "a" over position 5, whose 42 the host has read by
+    # then: no pending token, whichever batch is the last recorded (rule 3: only the batch run just before).
+    pool = backend.make_pool(CONFIG)
+    first = SchedulerOutput(new_requests=(NewRequest("a", PROMPT, ((3,),)), NewRequest("b", (20, 21), ((4,),))),
+                            num_scheduled_tokens={"a": 5, "b": 2})  # fmt: skip
+    pool.apply(first)
+    batch = pool.prepare(first)
+    pool.record_sampled(batch, _ids(backend, [{"a": 42, "b": 50}[r] for r in batch.req_ids]))
+    finish = SchedulerOutput(finished_req_ids=frozenset({"b"}))
+    pool.apply(finish)
+    empty = pool.prepare(finish)
+    if recorded:
+        pool.record_sampled(empty, _ids(backend, []))
+    if resumed:
+        out = SchedulerOutput(cached_requests=(CachedRequest("a", 0, ((5,),), resumed=True),),
+                              num_scheduled_tokens={"a": 6})  # fmt: skip
+    else:
+        out = SchedulerOutput(cached_requests=(CachedRequest("a", 5),), num_scheduled_tokens={"a": 1})
+    pool.apply(out)
+    got = backend.batch_to_numpy(pool.prepare(out))
+    start, block = (0, 5) if resumed else (5, 3)
+    assert got["positions"].tolist() == list(range(start, 6))
+    assert got["input_ids"].tolist() == [*PROMPT, 42][start:]
+    assert got["slot_mappings"][0].tolist() == [block * 16 + p for p in range(start, 6)]
+    assert got["pending_token_indices"].size == 0 and got["pending_prev_batch_idx"].size == 0
+
+
+def test_a_new_request_on_the_row_of_one_aborted_before_its_verdict_takes_nothing_of_it(
+    backend: BackendHandle,
+) -> None:
+    # vllm-ascend #13864's class: "a" drafts 7, 8, both rejected (9 sampled), and is aborted by the next output,
+    # which gives its row to "b". "b" gets no pending token and none of the 2 rejected drafts off its count, now
+    # or when the host reads the verdict (the apply after next): its prompt, its sample 30, then position 3.
+    pool = _prefill(backend)
+    _drafting_step(backend, pool, [9])
+    out = SchedulerOutput(new_requests=(NewRequest("b", (20, 21, 22), ((4,),)),), num_scheduled_tokens={"b": 3},
+                          finished_req_ids=frozenset({"a"}))  # fmt: skip
+    pool.apply(out)
+    batch = pool.prepare(out)
+    got = backend.batch_to_numpy(batch)
+    assert got["index_mapping"].tolist() == [0] and got["input_ids"].tolist() == [20, 21, 22]
+    assert got["positions"].tolist() == [0, 1, 2] and got["pending_token_indices"].size == 0
+    pool.record_sampled(batch, _ids(backend, [30]))
+    for step, num_computed in ((0, 3), (1, 4)):  # the second apply reads "a"'s verdict
+        out = SchedulerOutput(cached_requests=(CachedRequest("b", num_computed),), num_scheduled_tokens={"b": 1})
+        pool.apply(out)
+        batch = pool.prepare(out)
+        got = backend.batch_to_numpy(batch)
+        assert got["positions"].tolist() == [num_computed]
+        assert got["slot_mappings"][0].tolist() == [4 * 16 + num_computed]
+        assert got["input_ids"].tolist() == [[30, 31][step]] and got["pending_token_indices"].tolist() == [0]
+        pool.record_sampled(batch, _ids(backend, [31 + step]))
+    (row,) = pool.snapshot()
+    assert (row.req_id, row.token_ids, row.num_computed_tokens) == ("b", (20, 21, 22, 30, 31, 32), 4)
+
+
+NEIGHBOURS = (  # SchedulerStats of rule 7's neighbours, each reached by some random run
+    "resumed_before_verdict_rejected",  # resumed at once over the tokens held before rejected drafts
+    "resumed_before_verdict_accepted",  # and before accepted ones
+    "resumed_after_idle_step",  # resumed over its last sample right after a step with no tokens (not recorded)
+    "continued_after_idle_step",  # continued over it
+    "retaken_after_abort",  # a new request on the row of one aborted right after it sampled
+    "retaken_after_abort_rejected",  # whose sample came with rejected drafts
+)
+
+
+def _async_scenario(seed: int, attention: bool = True) -> Scenario:
+    scenario = random_scenario(seed, spec_decode=True)
+    config = dataclasses.replace(scenario.config, async_scheduling=True)
+    return dataclasses.replace(scenario, config=config, attention=scenario.attention if attention else None)
+
+
+@functools.cache
+def _first_seed_reaching(stat: str, max_steps: int, seeds: int = 200) -> int:
+    """The first seed whose async run reaches `stat` within max_steps (the scheduler's path does not depend on the
+    backend, nor on the attention comparisons: spec alone finds it)."""
+    for seed in range(seeds):
+        run = DifferentialRun(_async_scenario(seed, attention=False), load_backend("spec"))
+        drive(run, max_steps)
+        if getattr(run.sched.stats, stat):
+            return seed
+    raise AssertionError(f"no async run of seeds 0..{seeds - 1} reaches {stat} within {max_steps} steps")
+
+
+def test_async_runs_reach_every_neighbour_of_a_resumption(backend: BackendHandle, conformance_scale: float) -> None:
+    # Each neighbour on this backend, compared with spec on every step: the first seed that reaches it in the
+    # backend's step budget, run there with its attention comparisons.
+    budget = budget_for(backend, settings().max_examples, conformance_scale)
+    seen: collections.Counter[str] = collections.Counter()
+    for seed in sorted({_first_seed_reaching(stat, budget.max_steps) for stat in NEIGHBOURS}):
+        run = DifferentialRun(_async_scenario(seed), backend)
+        drive(run, budget.max_steps)
+        seen.update({stat: getattr(run.sched.stats, stat) for stat in NEIGHBOURS})
+    assert all(seen[stat] > 0 for stat in NEIGHBOURS), f"not reached on {backend.name}: {seen}"

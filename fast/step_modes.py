@@ -17,6 +17,7 @@ from fast.fallback import Fallback
 from fast.runtime import upload
 from fast.sampled import record_accepted, record_one_per_row
 from fast.state import DeviceState
+from spec.async_steps import forget_unrecorded
 from spec.drafts import accepted_rows, proposed_ids, token_rows
 from spec.errors import InconsistentSchedulerOutputError
 from spec.state import PoolState, StepPlan
@@ -127,6 +128,7 @@ class Ahead:
     def __init__(self, config: WorkerConfig, dev: DeviceState, host_mode: bool, interpreted: bool) -> None:
         self.dev = dev
         self.state = AheadState(config, dev, host_mode, interpreted)
+        self.recorded = False  # the last step applied had its batch recorded: its samples may be pending (rule 3)
 
     def before_apply(self, state: PoolState, applied_steps: int) -> None:
         self.state.read_due(state, applied_steps)  # the copies of records a step old: the mirror learns verdicts
@@ -140,6 +142,8 @@ class Ahead:
 
     def after_commit(self, state: PoolState, plan: StepPlan) -> None:
         state.num_unverified_drafts[:] = 0  # the step after this one is scheduled knowing the verdicts
+        forget_unrecorded(state, self.recorded)  # rule 3: pending tokens come from the batch run just before
+        self.recorded = False
         replaced = plan.tables[0].rows[plan.tables[0].replaced]  # new and resumed requests' rows
         self.state.commit(plan, without(plan.rows, replaced, state.config.max_num_reqs))  # rule 2 on the device
         placeholders = placeholder_rows(plan)
@@ -192,6 +196,7 @@ class Ahead:
         num_drafts, draft_ids = drafts or (np.zeros(rows.size, np.int64), np.zeros(0, np.int64))
         takes = seq_lens == state.num_known_tokens[rows] + num_drafts  # [num_reqs] the step reached its last input
         self.state.record(state, applied_steps, req_ids, rows, takes, num_drafts, draft_ids, sampled, proposed)
+        self.recorded = True
 
     def _integers(self, ids: object, field: str) -> np.ndarray | torch.Tensor:
         """The caller's ids where the record reads them (host mode: NumPy; else the device), an integer dtype."""

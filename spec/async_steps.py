@@ -40,7 +40,10 @@ on the device. What changes, rule by rule (docs/semantics.md, "Async scheduling"
    scheduler resets the in-flight placeholders on preemption and resumes over the tokens it has): past them,
    the position of each token depends on how many drafts were rejected, and rule 2 corrects no resumed count.
    Refused otherwise (UnknownTokenError, check 8), in every backend alike. Without drafts the record's one
-   sample has one position, and rule 3 finds it.
+   sample has one position, and rule 3 finds it. No verdict moves a resumed step's start: rule 4 checks its
+   window from there. Its neighbours: after a step whose batch was not recorded (no tokens: an engine runs no
+   model on it), no row has a pending token (rule 3 names the batch run just before); a new request on the row
+   of one aborted before its verdict is read takes nothing of it (no pending token, no rejected drafts).
 
 8. Drafts proposed on the device. Under async scheduling the drafter runs on the device right after the sampler
    (vLLM's model runner v2 keeps its output in `req_states.draft_tokens`), so the scheduler knows the drafts only by
@@ -161,6 +164,15 @@ def correct_counts(
     num_rejected[:] = 0
 
 
+def forget_unrecorded(state: PoolState, recorded: bool) -> None:
+    """Rule 3, at an apply: the rows that sampled in the last record have a pending token only in the step right
+    after it. When the step applied before this one was not recorded (it ran no tokens, and an engine runs no
+    model on it), its batch is the last one run and sampled nothing: no row takes a pending token from an
+    older batch (the host has read that record by now: rule 6's apply after next)."""
+    if not recorded:
+        state.sampled_in[:] = -1
+
+
 def proposed_on_device(drafts: np.ndarray, config: WorkerConfig) -> bool:
     """Rule 8: drafts sent as placeholders under async scheduling, their ids the drafter's proposals."""
     return config.async_scheduling and drafts.size > 0 and bool((drafts == PLACEHOLDER_TOKEN_ID).all())
@@ -222,10 +234,13 @@ def check_resumed_within_known(state: PoolState, sched: SchedulerOutput) -> None
             raise UnknownTokenError(cached.req_id, "num_scheduled_tokens", detail)
 
 
-def lowest_start(state: PoolState, req_id: str, num_computed: int) -> int:
-    """Rule 4: the lowest position a step sent at `num_computed` may start from once the verdicts are in."""
+def lowest_start(state: PoolState, req_id: str, num_computed: int, resumed: bool) -> int:
+    """Rule 4: the lowest position a step sent at `num_computed` may start from once the verdicts are in. A
+    resumed count is not corrected (rule 2): such a step starts where it says, whatever the verdict."""
     row = state.row_of.get(req_id)  # a new request holds no row yet, and no unverified drafts
-    return num_computed if row is None else max(0, num_computed - int(state.num_unverified_drafts[row]))
+    if row is None or resumed:
+        return num_computed
+    return max(0, num_computed - int(state.num_unverified_drafts[row]))
 
 
 def pending_tokens(

@@ -96,7 +96,7 @@ class AttentionRules(GroupRules):
         entry may hold an id the request, or another group, is handed again. Under async scheduling the
         step may start lower than its count says (spec/async_steps.py, rule 4).
         """
-        return s.live_from(state.config.kv_groups[g], lowest_start(state, s.req_id, s.num_computed))
+        return s.live_from(state.config.kv_groups[g], lowest_start(state, s.req_id, s.num_computed, s.resumed))
 
     def held_ids(self, state: PoolState, s: ScheduledRequest, g: int) -> np.ndarray:
         live = s.tables[g][self.live_from(state, s, g) :]
@@ -115,7 +115,7 @@ class AttentionRules(GroupRules):
 
     def check_not_null(self, state: PoolState, s: ScheduledRequest, g: int) -> None:
         group = state.config.kv_groups[g]
-        first_read = group.first_read(lowest_start(state, s.req_id, s.num_computed))
+        first_read = group.first_read(lowest_start(state, s.req_id, s.num_computed, s.resumed))
         read = s.tables[g][first_read // group.block_size : s.last // group.block_size + 1]
         if (read == NULL_BLOCK_ID).any():
             detail = f"null block inside positions {first_read}..{s.last}"

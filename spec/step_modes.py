@@ -12,7 +12,15 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from spec.async_steps import REPORTED_AFTER, LateFault, correct_counts, pending_tokens, record_ahead, take_proposals
+from spec.async_steps import (
+    REPORTED_AFTER,
+    LateFault,
+    correct_counts,
+    forget_unrecorded,
+    pending_tokens,
+    record_ahead,
+    take_proposals,
+)
 from spec.drafts import check_accepted
 from spec.types import TOKEN_STORAGE_DTYPE, SchedulerOutput, WorkerConfig
 
@@ -107,6 +115,7 @@ class Ahead:
         self.late_faults: list[LateFault] = []
         self.num_rejected = np.zeros(config.max_num_reqs, np.int64)  # [R] drafts the last record rejected
         self.proposals = np.zeros((config.max_num_reqs, 0), TOKEN_STORAGE_DTYPE)  # [R, P] the drafter's (rule 8)
+        self.recorded = False  # the last step applied had its batch recorded: its samples may be pending (rule 3)
 
     def before_apply(self, applied_steps: int) -> None:
         if self.late_faults and self.late_faults[0].due <= applied_steps:
@@ -114,6 +123,8 @@ class Ahead:
 
     def after_commit(self, state: PoolState, sched: SchedulerOutput, plan: StepPlan) -> None:
         state.num_unverified_drafts[:] = 0  # the step after this one is scheduled knowing the verdicts
+        forget_unrecorded(state, self.recorded)  # rule 3: pending tokens come from the batch run just before
+        self.recorded = False
         correct_counts(state, sched, plan.freed_rows, self.num_rejected)  # rule 2
         if plan.num_drafts is not None:  # rule 8: placeholder drafts take their row's proposals
             take_proposals(plan.rows, plan.num_drafts, plan.draft_ids, self.proposals)
@@ -145,6 +156,7 @@ class Ahead:
             self.proposals = grown
         self.num_rejected, fault = record_ahead(state, token_ids, req_ids, rows, takes, tokens, counts, drafts,
                                                 proposed, self.proposals)  # fmt: skip
+        self.recorded = True
         if fault is not None:
             self.late_faults.append(LateFault(fault, applied_steps + REPORTED_AFTER))
 

@@ -28,6 +28,17 @@ class SchedulerKnobs:
     # spec accepts the step): the rejection step then keeps at most the tokens that still fit, as an engine
     # must drop a bonus token with no room (synchronous scheduling only: ignored under async)
     drafts_to_the_end: bool = False
+    # async scheduling's neighbours of a resumption (spec/async_steps.py, rule 7), each a chance per step; ignored
+    # in synchronous runs, whose outputs stay as they were:
+    # a request whose drafts' verdict is unread is preempted and resumed in the same output, over the tokens it
+    # held before them
+    resume_at_once: float = 0.0
+    # an output that releases rows (finished or aborted) schedules nothing, and one request that sampled in the
+    # step before is preempted, to be resumed right after
+    idle_steps: float = 0.0
+    # a request that sampled in the last step is aborted before the host reads the sample: its row is free for a
+    # new request in the same output
+    abort_after_sample: float = 0.0
     # vLLM's form of each output (conformance/scheduler/vllm_form.py); none of these changes what is scheduled
     # new_block_ids_to_zero, as vLLM 0.32 sends it when its cache needs zeroing (a mixed-precision KV cache;
     # a model with a mamba group sends it whatever this knob says)

@@ -79,6 +79,8 @@ class ReferenceScheduler:
         self._last: SchedulerOutput | None = None
         self._sampling: tuple[str, ...] = ()
         self._last_scheduled: frozenset[str] = frozenset()
+        self._sampled_last: frozenset[str] = frozenset()  # the requests the last output sampled for
+        self._after_idle: frozenset[str] | None = None  # after an idle step: the requests that sampled before it
         # what the last output did beyond what SchedulerOutput says (vLLM's form says it: vllm_form.py)
         self.preempted_req_ids: frozenset[str] = frozenset()  # preempted by the last schedule()
         self.fresh_blocks: tuple[tuple[int, ...], ...] = ()  # per group: blocks it allocated, prefix hits not included
@@ -105,9 +107,14 @@ class ReferenceScheduler:
         unheld: list[str] = []  # aborted before they held a row: vLLM lists them as finished all the same
         if self.knobs.abort_prob and self.rng.random() < self.knobs.abort_prob:
             self._abort_one(finished, unheld)
+        aborted = self._abort_after_sample(finished)
         step = _Step(self.token_budget, [set() for _ in self.groups], [[] for _ in self.groups])
-        self._schedule_running(step, finished)
-        self._schedule_waiting(step, finished)
+        idle = self._idle_step(step, finished)
+        if not idle:
+            self._schedule_running(step, finished)
+            self._schedule_waiting(step, finished)
+        self._count_after_idle(step)
+        self._after_idle = self._sampled_last if idle else None
 
         freed_now = {self.rows.index(r) for r in finished}  # rows this output frees
         for req_id in finished:
@@ -117,6 +124,9 @@ class ReferenceScheduler:
             row = self.rows.index(None)
             self.rows[row] = new.req_id
             self.stats.drafts_on_retaken_row += new.req_id in step.drafting_new and row in freed_now
+            if row in aborted:  # the aborted owner's sample (and its drafts' verdict) is not read yet
+                self.stats.retaken_after_abort += 1
+                self.stats.retaken_after_abort_rejected += aborted[row].phantom > 0
         for req_id, _ in step.scheduled:
             self.pool_num_computed[req_id] = self.requests[req_id].num_computed
         scheduled = list(step.scheduled)
@@ -206,6 +216,7 @@ class ReferenceScheduler:
             elif req.num_output >= req.spec.max_new_tokens or req.num_tokens >= self.config.max_model_len:
                 self._finish(req)
         self._last = None
+        self._sampled_last = frozenset(self._sampling)
         self._sampling = ()
 
     def _keep(self, req: SchedRequest, drafts: tuple[int, ...], tokens: tuple[int, ...]) -> None:
@@ -247,6 +258,8 @@ class ReferenceScheduler:
         i = 0
         while i < len(self.running) and step.budget > 0 and len(step.scheduled) < self.max_running:
             req = self.running[i]
+            if self._resume_at_once(req, step):
+                continue  # req left the running list for the waiting one, first in line; index i is the next one
             self._release_out_of_window(req)
             drafts = [] if req.unverified else self.proposer.propose(req.tokens, self._draft_room(req))
             want = min(req.num_tokens + req.phantom + len(drafts) - req.num_computed, step.budget, self.max_chunk)
@@ -264,8 +277,13 @@ class ReferenceScheduler:
 
     def _end_run_ahead(self, step: _Step) -> None:
         """Async scheduling: the output went out with the optimistic counts; from here on the scheduler counts what
-        the pool holds after its correction (num_computed less the rejected drafts)."""
+        the pool holds after its correction (num_computed less the rejected drafts). A request resumed in it was
+        sent a fresh count, which the pool does not correct (spec/async_steps.py, rule 2)."""
+        resumed = {c.req_id for c in step.cached if c.resumed}
         for req in self.requests.values():
+            if req.req_id in resumed:
+                req.phantom, req.unverified = 0, 0
+                continue
             if req.phantom and req.req_id in self.pool_num_computed and req.req_id in dict(step.scheduled):
                 self.pool_num_computed[req.req_id] -= req.phantom
                 self.stats.optimistic_counts += 1
@@ -317,7 +335,7 @@ class ReferenceScheduler:
         for req in list(self.waiting):
             if step.budget == 0 or len(step.scheduled) >= self.max_running:
                 return
-            if req.req_id in step.preempted:
+            if req.req_id in step.preempted and req.req_id not in step.resume_at_once:
                 continue  # preempted in this very step: not back before the next one
             if req.status is Status.WAITING and rows_held >= self.config.max_num_reqs:
                 continue
@@ -330,13 +348,14 @@ class ReferenceScheduler:
             rows_held += plan.is_new
 
     def _admission_plan(self, req: SchedRequest, step: _Step) -> _Admission | None:
-        computed, hits = self._prefix_hit(req)
+        known = self._held_before_verdict(req) if req.req_id in step.resume_at_once else req.num_tokens
+        computed, hits = self._prefix_hit(req, known)
         tables: list[list[int]] = []
         for g, group in enumerate(self.groups):
             first_needed = max(0, computed - group.sliding_window + 1) if group.sliding_window else 0
             tables.append([NULL_BLOCK_ID if j < first_needed // group.block_size else b for j, b in enumerate(hits[g])])
-        drafts = self._admission_drafts(req, tables)
-        want = min(req.num_tokens + len(drafts) - computed, step.budget, self.max_chunk)
+        drafts = [] if known < req.num_tokens else self._admission_drafts(req, tables)
+        want = min(known + len(drafts) - computed, step.budget, self.max_chunk)
         want = chunk_limit(self.groups, computed, want, self.knobs)  # mamba states at block ends
         revived = [
             sum(1 for b in t if b != NULL_BLOCK_ID and self.allocators[g].is_free(b)) for g, t in enumerate(tables)
@@ -386,6 +405,10 @@ class ReferenceScheduler:
         else:
             step.cached.append(CachedRequest(req.req_id, plan.computed, tables, resumed=True))
             self.stats.resumptions += 1
+            if req.req_id in step.resume_at_once:
+                self.stats.resumed_before_verdict += 1
+                self.stats.resumed_before_verdict_rejected += req.phantom > 0
+                self.stats.resumed_before_verdict_accepted += req.unverified > req.phantom
         if req.spec.encoder_len:  # its first step (again, after a preemption) writes the encoder's KV
             self.stats.encoder_writes += 1
             self.stats.encoder_rewrites += not plan.is_new
@@ -487,25 +510,25 @@ class ReferenceScheduler:
                     req.blocks[g][j] = NULL_BLOCK_ID
                     self.stats.window_releases += 1
 
-    def _prefix_hit(self, req: SchedRequest) -> tuple[int, list[list[int]]]:
-        """(num_computed_tokens, per group the cached blocks it starts with)."""
+    def _prefix_hit(self, req: SchedRequest, known: int) -> tuple[int, list[list[int]]]:
+        """(num_computed_tokens, per group the cached blocks it starts with) for a run over its first `known` tokens."""
         if not self.knobs.enable_prefix_caching or self.cross is not None:  # no prefix cache for encoder output
             return 0, [[] for _ in self.groups]
         chains = []
         for g, group in enumerate(self.groups):
             chain = []
-            for h in req.block_hashes(g, group.block_size):
+            for h in req.block_hashes(g, group.block_size)[: known // group.block_size]:
                 block = self.allocators[g].lookup((g, h))  # a group's own cache: with one pool, ids are shared
                 if block is None:
                     break
                 chain.append(block)
             chains.append(chain)
         hit = min(len(c) * g.block_size for c, g in zip(chains, self.groups, strict=True))
-        if hit >= req.num_tokens and any(g.kind == "mamba" for g in self.groups):
+        if hit >= known and any(g.kind == "mamba" for g in self.groups):
             step = math.lcm(*(g.block_size for g in self.groups))  # a mamba state is cached at block ends only
-            computed = (req.num_tokens - 1) // step * step
-        elif hit >= req.num_tokens:
-            computed = req.num_tokens - 1  # logits need the last token: recompute it in place
+            computed = (known - 1) // step * step
+        elif hit >= known:
+            computed = known - 1  # logits need the last token: recompute it in place
         else:
             step = math.lcm(*(g.block_size for g in self.groups))
             computed = hit // step * step  # every group's computed part is whole blocks
@@ -516,7 +539,8 @@ class ReferenceScheduler:
             if g == self.cross or (group.kind == "mamba" and not caches_states(self.knobs)):
                 continue
             hashes = req.block_hashes(g, group.block_size)
-            full = min(req.num_computed // group.block_size, len(hashes))
+            # under async scheduling num_computed still counts the rejected drafts (phantom), whose KV is stale
+            full = min((req.num_computed - req.phantom) // group.block_size, len(hashes))
             for j in range(req.num_hashed[g], full):
                 if req.blocks[g][j] != NULL_BLOCK_ID:
                     self.allocators[g].register(req.blocks[g][j], (g, hashes[j]))
@@ -566,6 +590,60 @@ class ReferenceScheduler:
             else:
                 unheld.append(req.req_id)
 
+    # ---- async scheduling: the neighbours of a resumption (spec/async_steps.py, rule 7) ----------------------
+    def _async_knob(self, chance: float) -> bool:
+        """A knob's draw under async scheduling; never in a synchronous run (its outputs stay as they were)."""
+        return self.config.async_scheduling and chance > 0 and self.rng.random() < chance
+
+    def _resume_at_once(self, req: SchedRequest, step: _Step) -> bool:
+        """Knob resume_at_once: req, whose drafts' verdict is unread, is preempted, to be resumed in this very
+        output over the tokens it held before them (rule 7's valid side). True if it left the running list."""
+        if not req.unverified or not self._async_knob(self.knobs.resume_at_once):
+            return False
+        self._preempt(req, step)
+        step.resume_at_once.add(req.req_id)
+        return True
+
+    def _held_before_verdict(self, req: SchedRequest) -> int:
+        """The tokens req held before the last record, whose verdict is unread: its 1 + k tokens less, as the pool
+        counts them (every draft accepted) or as they are (the kept ones)."""
+        return req.num_tokens + req.phantom - 1 - req.unverified
+
+    def _idle_step(self, step: _Step, finished: list[str]) -> bool:
+        """Knob idle_steps: an output with rows to release releases them and schedules nothing (no model runs on
+        it), and one request that sampled in the step before is preempted, to be resumed right after."""
+        if not finished or not self._async_knob(self.knobs.idle_steps):
+            return False
+        sampled = [r for r in self.running if r.req_id in self._sampled_last]
+        if sampled:
+            self._preempt(self.rng.choice(sampled), step)
+        self.stats.idle_steps += 1
+        return True
+
+    def _count_after_idle(self, step: _Step) -> None:
+        """Right after an idle step: requests that sampled before it, run over that sample's position."""
+        if self._after_idle is None:
+            return
+        resumed = {c.req_id for c in step.cached if c.resumed}
+        for req_id, n in step.scheduled:
+            req = self.requests[req_id]
+            if req_id in self._after_idle and req.num_computed < req.num_tokens <= req.num_computed + n:
+                self.stats.resumed_after_idle_step += req_id in resumed
+                self.stats.continued_after_idle_step += req_id not in resumed
+
+    def _abort_after_sample(self, finished: list[str]) -> dict[int, SchedRequest]:
+        """Knob abort_after_sample: one request that sampled in the last step is aborted in this output, before the
+        host reads that sample; its row is free for a new request at once. {row: the aborted request}"""
+        sampled = [r for r in self.running if r.req_id in self._sampled_last]
+        if not sampled or not self._async_knob(self.knobs.abort_after_sample):
+            return {}
+        req = self.rng.choice(sampled)
+        row = self.rows.index(req.req_id)
+        self.stats.aborted += 1
+        self._drop(req)
+        finished.append(req.req_id)
+        return {row: req}
+
 
 def _cross_need(req: SchedRequest, held: int, block_size: int) -> int:
     """Cross blocks req still lacks: cdiv(encoder_len, block_size), allocated when it is admitted."""
@@ -585,6 +663,7 @@ class _Step:
         self.cached: list[CachedRequest] = []
         self.preempted: set[str] = set()
         self.drafting_new: set[str] = set()  # new requests drafting on their first step
+        self.resume_at_once: set[str] = set()  # preempted in this step, to be resumed in it (knob resume_at_once)
 
     def add(self, req_id: str, n: int) -> None:
         self.scheduled.append((req_id, n))

@@ -32,6 +32,16 @@ class SchedulerStats:
     drafts_on_retaken_row: int = 0  # of those, new requests in a row that the same output freed
     drafts_to_the_end: int = 0  # drafting request-steps that reached the end and dropped the bonus (drafts_to_the_end)
     drafts_crossing_blocks: int = 0  # drafting request-steps whose drafts start or cross a block of some group
+    # async scheduling, the neighbours of rule 7 (spec/async_steps.py; knobs resume_at_once, idle_steps,
+    # abort_after_sample):
+    resumed_before_verdict: int = 0  # resumed in the step right after drafting, over the tokens held before
+    resumed_before_verdict_rejected: int = 0  # of those, with a rejected draft behind them
+    resumed_before_verdict_accepted: int = 0  # and with an accepted draft behind them
+    idle_steps: int = 0  # outputs that release rows and schedule nothing
+    resumed_after_idle_step: int = 0  # sampled before an idle step, resumed right after it over that sample
+    continued_after_idle_step: int = 0  # the same, continuing (not preempted)
+    retaken_after_abort: int = 0  # new requests on the row of a request aborted right after it sampled
+    retaken_after_abort_rejected: int = 0  # of those, where that sample had rejected drafts
     encoder_writes: int = 0  # first steps of encoder-decoder requests: their encoder's KV is written
     encoder_rewrites: int = 0  # of those, resumed after a preemption: the encoder runs again
     block_usage: list[list[int]] = field(default_factory=list)  # per step: blocks in use per group
