@@ -42,6 +42,7 @@ class Step:
     # [num_reqs] one id per batch row, or [num_reqs][width] each row's kept tokens padded with -1 (with drafts)
     sampled: tuple[int, ...] | tuple[tuple[int, ...], ...]
     recorded: bool = True  # record_sampled was called (an engine runs no model on a step with no tokens)
+    proposed: tuple[tuple[int, ...], ...] | None = None  # [num_reqs][P] the drafter's ids on the device, or None
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,7 @@ class Pair:
         pad_to: int | None,
         sampled: Callable[[BatchInputs], Sequence[Any]],
         record: bool = True,  # False: the batch is prepared and compared, and not recorded
+        proposed: Callable[[BatchInputs], Sequence[Sequence[int]] | None] = lambda batch: None,  # next_draft_ids
     ) -> Step:
         self.pending = Step(out, pad_to, ())
         self._call("apply", lambda side: side.pool.apply(out))
@@ -129,16 +131,23 @@ class Pair:
             self.pending = None
             return Step(out, pad_to, (), recorded=False)
         tokens = _frozen(sampled(ref_batch))
-        self.pending = Step(out, pad_to, tokens)
+        rows = proposed(ref_batch)
+        drafter = None if rows is None else tuple(tuple(int(t) for t in row) for row in rows)
+        self.pending = Step(out, pad_to, tokens, proposed=drafter)
         ids = np.array(tokens, np.int64)
-        self.ref.pool.record_sampled(ref_batch, self.ref.handle.asarray(ids))
+        next_ids = None if drafter is None else np.array(drafter, np.int64).reshape(len(drafter), -1)
+        self.ref.pool.record_sampled(ref_batch, self.ref.handle.asarray(ids), self._on(self.ref, next_ids))
         try:
-            self.cand.pool.record_sampled(cand_batch, self.cand.handle.asarray(ids))
+            self.cand.pool.record_sampled(cand_batch, self.cand.handle.asarray(ids), self._on(self.cand, next_ids))
         except Exception as exc:
             raise MismatchError(f"record_sampled: candidate raised {exc!r}, reference did not") from exc
         self.compare_snapshots("after record_sampled")
         self.pending = None
-        return Step(out, pad_to, tokens)
+        return Step(out, pad_to, tokens, proposed=drafter)
+
+    @staticmethod
+    def _on(side: _Side, ids: np.ndarray | None) -> Any:
+        return None if ids is None else side.handle.asarray(ids)
 
     def _call(self, what: str, fn: Callable[[_Side], Any]) -> tuple[Any, Any]:
         try:
@@ -356,7 +365,15 @@ class DifferentialRun:
         # under async scheduling a step with no tokens goes unrecorded, as in an engine that runs no model on it
         # (vLLM returns before sampling): the next step takes no pending token from an older batch (rule 3)
         record = out.total_num_scheduled_tokens > 0 or not config.async_scheduling
-        step = self.pair.run_step(out, pad_to, sample, record)
+        proposals = sched.device_proposals(out)
+
+        def propose(batch: BatchInputs) -> list[list[int]] | None:  # the drafter's output, in batch order
+            if not sched.on_device:
+                return None
+            width = sched.knobs.spec_tokens  # a row that did not sample gets ids the pool never reads
+            return [list(proposals.get(r, (0,) * width)) for r in batch.req_ids]
+
+        step = self.pair.run_step(out, pad_to, sample, record, propose)
         self.history.append(step)
         sched.update(out, kept)
         self.pair.compare_snapshots("after the step", expected=sched.expected_snapshot())
@@ -393,7 +410,8 @@ def replay(
             if isinstance(s, Invalid):
                 pair.reject(s.out, s.expected)
             else:
-                pair.run_step(s.out, s.pad_to, lambda _batch, s=s: s.sampled, s.recorded)  # type: ignore[misc]
+                pair.run_step(s.out, s.pad_to, lambda _batch, s=s: s.sampled, s.recorded,  # type: ignore[misc]
+                              lambda _batch, s=s: s.proposed)  # type: ignore[misc]  # fmt: skip
         except MismatchError as exc:
             raise MismatchError(f"step {i}: {exc.message}") from exc
 

@@ -84,7 +84,8 @@ def _not_the_drafts(s: Sampled, config: WorkerConfig, rng: random.Random) -> np.
     if b is None or len(s.rows[b]) < 2 or config.vocab_size < 2:
         return None  # needs an accepted draft to change
     rows = [list(r) for r in s.rows]
-    rows[b][0] = (rows[b][0] + 1 + rng.randrange(config.vocab_size - 1)) % config.vocab_size
+    j = rng.randrange(len(rows[b]) - 1)  # any position of the accepted prefix, the last draft before the bonus too
+    rows[b][j] = (rows[b][j] + 1 + rng.randrange(config.vocab_size - 1)) % config.vocab_size
     return _padded(rows)
 
 

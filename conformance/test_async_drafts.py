@@ -6,10 +6,15 @@ drafter's ids as `next_draft_ids`. Every expected value below is derived from th
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
+from hypothesis import settings
 
 from conformance.backends import BackendHandle
+from conformance.differential import DifferentialRun, budget_for, drive
+from conformance.scenario import random_scenario
 from spec import (
     CachedRequest,
     InconsistentSchedulerOutputError,
@@ -210,3 +215,22 @@ def test_malformed_proposals_are_refused_at_once(backend: BackendHandle, propose
     assert caught.value.field == "next_draft_ids"
     pool.record_sampled(batch, _ids(backend, [42]), _ids(backend, [[7]]))  # nothing was taken
     pool.apply(_placeholders(5, 1))
+
+
+def test_async_runs_with_drafts_on_the_device_agree_with_spec(backend: BackendHandle, conformance_scale: float) -> None:
+    """The reference scheduler with its drafter on the device (knob drafts_on_device): outputs carry placeholders,
+    each record the drafter's ids, and requests draft right after unverified drafts; every step and snapshot is
+    compared with spec and with the scheduler's own account."""
+    budget = budget_for(backend, settings().max_examples, conformance_scale)
+    after_unverified = optimistic = 0
+    for seed in range(max(2, budget.examples // 4)):
+        scenario = random_scenario(seed, spec_decode=True)
+        spec_tokens = max(2, scenario.knobs.spec_tokens)
+        knobs = dataclasses.replace(scenario.knobs, drafts_on_device=True, spec_tokens=spec_tokens)
+        config = dataclasses.replace(scenario.config, async_scheduling=True)
+        run = DifferentialRun(dataclasses.replace(scenario, config=config, knobs=knobs), backend)
+        drive(run, budget.max_steps)
+        after_unverified += run.sched.stats.drafts_after_unverified
+        optimistic += run.sched.stats.optimistic_counts
+    assert after_unverified > 0, "no request drafted right after unverified drafts"
+    assert optimistic > 0, "no step was sent with an optimistic count"

@@ -33,6 +33,7 @@ FP8_FAST = "tests/test_fast_fp8.py"
 ATTENTION_FAST = "tests/test_fast_attention.py"
 ASYNC = "conformance/test_async.py"
 ASYNC_DRAFTS = "conformance/test_async_drafts.py"
+ASYNC_FAULTS = "conformance/test_async_faults.py"
 CROSS = "conformance/test_cross_attention.py"
 MROPE = "conformance/test_mrope.py"
 ONE_POOL = "conformance/test_one_pool.py"
@@ -100,7 +101,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "fast/async_steps.py",
         "fault = fault or (j < count - 1 and tokens[b, j] != draft_ids[starts[i] + j])",
         "fault = fault or (j < count - 2 and tokens[b, j] != draft_ids[starts[i] + j])",
-        (ASYNC,),
+        (ASYNC_FAULTS,),
     ),
     Mutant(
         "async-record-kernel-checks-one-draft-short",
@@ -108,7 +109,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "fast/kernels/record_ahead.py",
         "not_a_draft = tl.reduce((kept & (cols < count - 1) & (t != draft))",
         "not_a_draft = tl.reduce((kept & (cols < count - 2) & (t != draft))",
-        (ASYNC,),
+        (ASYNC_FAULTS,),
     ),
     Mutant(
         "async-proposals-of-a-previous-owner",

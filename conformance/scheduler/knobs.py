@@ -28,6 +28,9 @@ class SchedulerKnobs:
     # spec accepts the step): the rejection step then keeps at most the tokens that still fit, as an engine
     # must drop a bonus token with no room (synchronous scheduling only: ignored under async)
     drafts_to_the_end: bool = False
+    # async scheduling with spec_tokens: the drafter runs on the device after each sample (vLLM's model runner v2);
+    # outputs carry placeholders and the driver hands the pool the drafter's ids (spec/async_steps.py, rule 8)
+    drafts_on_device: bool = False
     # async scheduling's neighbours of a resumption (spec/async_steps.py, rule 7), each a chance per step; ignored
     # in synchronous runs, whose outputs stay as they were:
     # a request whose drafts' verdict is unread is preempted and resumed in the same output, over the tokens it

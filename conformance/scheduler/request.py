@@ -31,6 +31,7 @@ class SchedRequest:
     # output still counts as tokens, and the drafts it verified (the next step may not draft: spec/async_steps.py)
     phantom: int = 0
     unverified: int = 0
+    proposed: list[int] = field(default_factory=list)  # drafts on the device: the drafter's ids at its last sample
 
     def __post_init__(self) -> None:
         self.tokens = list(self.spec.prompt_token_ids)

@@ -39,7 +39,15 @@ from conformance.scheduler.request import SchedRequest, Status
 from conformance.scheduler.stats import SchedulerStats
 from conformance.scheduler.workload import Workload
 from spec.cross_attention import cross_group
-from spec.types import NULL_BLOCK_ID, CachedRequest, NewRequest, RowSnapshot, SchedulerOutput, WorkerConfig
+from spec.types import (
+    NULL_BLOCK_ID,
+    PLACEHOLDER_TOKEN_ID,
+    CachedRequest,
+    NewRequest,
+    RowSnapshot,
+    SchedulerOutput,
+    WorkerConfig,
+)
 
 
 class ReferenceScheduler:
@@ -69,6 +77,10 @@ class ReferenceScheduler:
             raise ValueError("workload req_ids must be unique")
         # under async scheduling the next step goes out before the cut is known: the knob applies to synchronous only
         self.to_the_end = knobs.drafts_to_the_end and not config.async_scheduling
+        # drafts proposed on the device (spec/async_steps.py, rule 8): async scheduling only, as in vLLM
+        self.on_device = knobs.drafts_on_device and config.async_scheduling and knobs.spec_tokens > 0
+        self._drafts_sent: dict[str, tuple[int, ...]] = {}  # the output being executed: each request's draft ids
+        self._proposals: dict[str, tuple[int, ...]] | None = None  # the drafter's output for that output's samples
         self.requests = {r.req_id: SchedRequest(r, len(self.groups)) for r in workload.requests}
         self._arrivals = sorted(self.requests.values(), key=lambda r: r.spec.arrival_step)  # stable
         self.waiting: list[SchedRequest] = []  # preempted requests first, then arrivals in order
@@ -137,8 +149,11 @@ class ReferenceScheduler:
             cached_requests=tuple(step.cached),
             num_scheduled_tokens=dict(scheduled),
             finished_req_ids=frozenset(finished),
-            scheduled_spec_decode_tokens=dict(step.drafts),
+            scheduled_spec_decode_tokens={r: (PLACEHOLDER_TOKEN_ID,) * len(d) for r, d in step.drafts.items()}
+            if self.on_device
+            else dict(step.drafts),
         )
+        self._drafts_sent, self._proposals = dict(step.drafts), None
         self._sampling = tuple(
             r
             for r, n in step.scheduled
@@ -184,7 +199,7 @@ class ReferenceScheduler:
             raise RuntimeError("not the output being executed")
         kept = {}
         for req_id in self._sampling:
-            drafts = out.scheduled_spec_decode_tokens.get(req_id, ())
+            drafts = self._drafts_sent.get(req_id, ())
             kept[req_id] = self.drafter.accept(drafts, int(target[req_id])) if drafts else (int(target[req_id]),)
             room = self._room(self.requests[req_id])
             if self.to_the_end and len(kept[req_id]) > room:  # the bonus token has no room: dropped
@@ -206,7 +221,9 @@ class ReferenceScheduler:
             req = self.requests[req_id]
             req.num_computed += n
             if req_id in kept:
-                self._keep(req, tuple(out.scheduled_spec_decode_tokens.get(req_id, ())), kept[req_id])
+                self._keep(req, self._drafts_sent.get(req_id, ()), kept[req_id])
+            if self.on_device:  # what the pool's record keeps: a taking row's proposals, none for the others
+                req.proposed = list((self._proposals or {}).get(req_id, ()))
             self._register_full_blocks(req)
         for req_id in self._sampling:
             req = self.requests[req_id]
@@ -261,7 +278,10 @@ class ReferenceScheduler:
             if self._resume_at_once(req, step):
                 continue  # req left the running list for the waiting one, first in line; index i is the next one
             self._release_out_of_window(req)
-            drafts = [] if req.unverified else self.proposer.propose(req.tokens, self._draft_room(req))
+            if self.on_device:
+                drafts = self._device_drafts(req)
+            else:
+                drafts = [] if req.unverified else self.proposer.propose(req.tokens, self._draft_room(req))
             want = min(req.num_tokens + req.phantom + len(drafts) - req.num_computed, step.budget, self.max_chunk)
             want = chunk_limit(self.groups, req.num_computed, want, self.knobs)  # mamba states at block ends
             n = self._make_room(req, want, step, finished)
@@ -269,7 +289,8 @@ class ReferenceScheduler:
                 continue  # req left the running list (preempted or aborted); index i is the next one
             new_ids = self._null_lookahead(req, self._grow(req, n, step))
             step.add(req.req_id, n)
-            self._schedule_drafts(req, drafts[: max(0, req.num_computed + n - req.num_tokens)], step)
+            known = req.num_tokens + req.phantom  # as the pool counts them until the verdict is read
+            self._schedule_drafts(req, drafts[: max(0, req.num_computed + n - known)], step)
             step.cached.append(
                 CachedRequest(req.req_id, req.num_computed, new_ids if any(new_ids) else None, resumed=False)
             )
@@ -290,6 +311,33 @@ class ReferenceScheduler:
             if req.phantom and req.status is Status.RUNNING:
                 req.num_computed -= req.phantom
             req.phantom, req.unverified = 0, 0
+
+    def drafts_sent(self, req_id: str) -> tuple[int, ...]:
+        """The draft ids of `req_id` in the output being executed (the drafter's, where the output carries
+        placeholders), () for none."""
+        return self._drafts_sent.get(req_id, ())
+
+    def device_proposals(self, out: SchedulerOutput) -> dict[str, tuple[int, ...]]:
+        """The drafter's output after `out`'s samples (drafts on the device): req_id -> spec_tokens ids for each
+        sampling request, drawn once per output; {} without drafts on the device."""
+        if out is not self._last:
+            raise RuntimeError("not the output being executed")
+        if not self.on_device:
+            return {}
+        if self._proposals is None:
+            rng, vocab = self.drafter.rng, self.config.vocab_size
+            self._proposals = {r: tuple(rng.randrange(vocab) for _ in range(self.knobs.spec_tokens))
+                               for r in self._sampling}  # fmt: skip
+        return self._proposals
+
+    def _device_drafts(self, req: SchedRequest) -> list[int]:
+        """Some of the drafter's ids for req (its last sample's), as many as its room allows, whatever the verdict
+        on its last drafts: the pool places them at the corrected count (spec/async_steps.py, rule 8). The pool
+        validates on the optimistic count, so the step must also fit max_model_len counted with the phantoms."""
+        room = min(self._draft_room(req), self.config.max_model_len - req.num_tokens - req.phantom)
+        k = self.drafter.rng.randint(0, max(0, min(len(req.proposed), room)))
+        self.stats.drafts_after_unverified += bool(k and req.unverified)
+        return req.proposed[:k]
 
     def _draft_room(self, req: SchedRequest) -> int:
         """Most drafts req may carry: each kept one is an output token, and one more token always follows
@@ -373,7 +421,7 @@ class ReferenceScheduler:
 
     def _admission_drafts(self, req: SchedRequest, tables: list[list[int]]) -> list[int]:
         """Drafts for a first step (knob drafts_on_admission), only where they land in blocks of its own."""
-        if not self.knobs.drafts_on_admission:
+        if not self.knobs.drafts_on_admission or self.on_device:  # the device has no proposal for it yet
             return []
         in_shared = any(req.num_tokens < len(t) * g.block_size for t, g in zip(tables, self.groups, strict=True))
         return [] if in_shared else self.proposer.propose(req.tokens, self._draft_room(req))
@@ -556,6 +604,7 @@ class ReferenceScheduler:
     def _preempt(self, req: SchedRequest, step: _Step) -> None:
         self._free_blocks(req)
         req.num_computed = 0
+        req.proposed = []  # a resumed request drafts from a new proposal only (spec/async_steps.py, rule 8)
         req.num_hashed = [0] * len(self.groups)
         req.status = Status.PREEMPTED
         self.running.remove(req)

@@ -28,6 +28,7 @@ class SchedulerStats:
     all_drafts_accepted: int = 0  # drafting request-steps that kept every draft
     no_draft_accepted: int = 0  # and that kept none
     drafts_on_prefill: int = 0  # drafts riding on a chunk that also computes prompt tokens
+    drafts_after_unverified: int = 0  # drafts on the device: request-steps drafting before the last verdict is read
     drafts_on_admission: int = 0  # drafting request-steps of a new or resumed request's first step
     drafts_on_retaken_row: int = 0  # of those, new requests in a row that the same output freed
     drafts_to_the_end: int = 0  # drafting request-steps that reached the end and dropped the bonus (drafts_to_the_end)
