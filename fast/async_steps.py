@@ -65,6 +65,7 @@ class AheadState:
         self.num_known = torch.zeros(rows, dtype=torch.int64, device=dev.device)  # [R] tokens held, exact
         self.num_rejected = torch.zeros(rows, dtype=torch.int64, device=dev.device)  # [R] the last record's
         self.proposals = torch.zeros((rows, 0), dtype=torch.int64, device=dev.device)  # [R, P] the drafter's ids
+        self.unverified = False  # a record since the last apply kept drafts whose verdict the host has not read
         if host_mode:  # host memory: the compiled loop and the commit work on NumPy views of the same arrays
             self._known_np, self._rejected_np = self.num_known.numpy(), self.num_rejected.numpy()
             self._computed_np = dev.num_computed.numpy()
@@ -78,23 +79,24 @@ class AheadState:
         applied_steps: int,
         req_ids: tuple[str, ...],  # [n] batch order
         rows: np.ndarray,  # [n] int64 batch_idx -> req_state_idx, as prepared
-        takes: np.ndarray,  # [n] bool, from host counts
-        num_drafts: np.ndarray,  # [n] int64 drafts of each batch row
+        seq_lens: np.ndarray,  # [n] int64 as prepared (from host counts)
+        num_drafts: np.ndarray,  # [n] int64 drafts of each batch row; empty: none
         draft_ids: np.ndarray,  # [sum(num_drafts)] batch order
         sampled: torch.Tensor | np.ndarray,  # [n] or [n, width] integer ids, on the device (host mode: NumPy)
         proposed: torch.Tensor | np.ndarray | None,  # [n, P] int64 the drafter's ids (rule 8), as sampled, or None
     ) -> None:
         n = rows.shape[0]
-        taking, taking_rows, k, starts = (np.empty(n, np.int64) for _ in range(4))  # [n] each, the first m filled
+        scratch = np.empty((4, n), np.int64)  # taking | taking_rows | k | starts, the first m of each filled
         own_drafts = np.empty(draft_ids.shape[0], draft_ids.dtype)  # [sum(num_drafts)], the first sum(k) filled
         width = 0 if proposed is None else int(proposed.shape[1])
-        m, own, longest, most_drafts = _bookkeep(takes, rows, num_drafts, draft_ids, state.sampled_in,
+        m, own, longest, most_drafts = _bookkeep(seq_lens, rows, num_drafts, draft_ids, state.sampled_in,
                                                  state.num_unverified_drafts, state.num_known_tokens,
-                                                 state.num_proposed, width, taking, taking_rows, k, starts,
-                                                 own_drafts)  # fmt: skip
+                                                 state.num_proposed, width, scratch, own_drafts)  # fmt: skip
         if not m:
             return
-        taking, taking_rows, k, starts, own_drafts = taking[:m], taking_rows[:m], k[:m], starts[:m], own_drafts[:own]
+        self.unverified = self.unverified or most_drafts > 0
+        taking, taking_rows, k, starts = scratch[0, :m], scratch[1, :m], scratch[2, :m], scratch[3, :m]
+        own_drafts = own_drafts[:own]
         placeholders = own > 0 and bool((own_drafts == PLACEHOLDER_TOKEN_ID).any())  # rule 8: on the device only
         if placeholders:  # each taking row's drafts, end to end, as apply stored them (take_proposals)
             starts = np.cumsum(k) - k
@@ -155,18 +157,20 @@ class AheadState:
         ids = tokens.astype(np.int64, copy=False)
         draft_ids = draft_ids.astype(np.int64, copy=False)
         m = taking.size
-        written, known, faults = np.empty(m, np.int64), np.empty(m, np.int64), np.empty(m, np.int32)
+        counts = np.empty((3, m), np.int64)  # written | known before | faults
         store = self.dev.token_ids_np
         if store is None:
             raise RuntimeError("host mode keeps the token store in NumPy (fast/state.py), but this pool has none")
         config = self.config
         drafter = _NO_PROPOSALS if proposed is None else proposed
-        _record_compiled(ids, taking, rows, k, starts, draft_ids, one_per_row, config.vocab_size,
-                         config.max_model_len, self._known_np, self._rejected_np, store, drafter,
-                         self._proposals_np, written, known, faults)  # fmt: skip
+        faulty = _record_compiled(ids, taking, rows, k, starts, draft_ids, one_per_row, config.vocab_size,
+                                  config.max_model_len, self._known_np, self._rejected_np, store, drafter,
+                                  self._proposals_np, counts[0], counts[1], counts[2])  # fmt: skip
+        # the ids are read again only to rebuild a fault's error, and host mode knows now whether there is one
+        tokens_kept = ids[taking] if faulty else _NO_PROPOSALS
         if proposed is None:
-            return HostCopy.of_host(written, known, faults, ids[taking])
-        return HostCopy.of_host(written, known, faults, ids[taking], proposed[taking])
+            return HostCopy.of_host(counts[0], counts[1], counts[2], tokens_kept)
+        return HostCopy.of_host(counts[0], counts[1], counts[2], tokens_kept, proposed[taking] if faulty else proposed)
 
     def _record_device(
         self,
@@ -227,12 +231,15 @@ class AheadState:
         return self._stored_drafts_device(rows, k)
 
     # ---- apply --------------------------------------------------------------------------------------
-    def commit(self, plan: StepPlan, continuing: np.ndarray) -> None:
-        """After the next apply's commit: correct its continuing rows' num_computed on the device (rule 2)."""
-        if self.host_mode:  # the mirror's arrays are the device's (fast/state.py): NumPy on them directly
-            _correct(plan.freed_rows, plan.new_rows, plan.prompt_lens, continuing, self._known_np, self._rejected_np,
-                     self._computed_np)  # fmt: skip
+    def commit(self, plan: StepPlan) -> None:
+        """After the next apply's commit: correct its continuing rows' num_computed on the device (rule 2). A new or
+        resumed request's row (its table replaced) continues nothing: its count is the one the step sent."""
+        tables = plan.tables[0]
+        if self.host_mode:  # the mirror's arrays are the device's (fast/state.py): one compiled pass on them
+            continuing = _correct(plan.freed_rows, plan.new_rows, plan.prompt_lens, plan.rows, tables.rows,
+                                  tables.replaced, self._known_np, self._rejected_np, self._computed_np)  # fmt: skip
         else:
+            continuing = continuing_rows(plan.rows, tables.rows, tables.replaced, self.config.max_num_reqs)
             device = self.dev.device
             freed, new, cont = (upload(a, device) for a in (plan.freed_rows, plan.new_rows, continuing))
             self.num_known[freed] = 0
@@ -250,10 +257,11 @@ class AheadState:
             record = self.in_flight.pop(0)
             written, known, faults, tokens, *extra = record.copy.wait()
             freed = _EMPTY if record.freed is None else record.freed
-            by_row, faulty = _learn_verdicts(record.rows, record.num_drafts, written, freed, faults,
-                                             state.num_known_tokens)  # fmt: skip
-            if not self.host_mode and record.continuing is not None:  # host mode corrected the shared array
-                state.num_computed_tokens[record.continuing] -= by_row[record.continuing]
+            # host mode corrected num_computed in the shared array at the apply (commit); the mirror of the device
+            # path learns it here, for the rows that apply continued
+            continuing = _EMPTY if self.host_mode or record.continuing is None else record.continuing
+            faulty = _learn_verdicts(record.rows, record.num_drafts, written, freed, faults, continuing,
+                                     state.num_known_tokens, state.num_computed_tokens)  # fmt: skip
             if faulty:
                 raise self._fault(record, tokens, known, extra)
 
@@ -294,9 +302,10 @@ def _record_compiled(  # pragma: no cover - compiled; tested through record_samp
     proposals: np.ndarray,  # [R, >= P] int64 out: each taking row's proposals
     written: np.ndarray,  # [m] int64 out
     known_before: np.ndarray,  # [m] int64 out
-    faults: np.ndarray,  # [m] int32 out
-) -> None:
-    """fast/kernels/record_ahead.py's two kernels as one loop on host memory: every check, then every append."""
+    faults: np.ndarray,  # [m] int64 out: 1 for a faulty row
+) -> bool:
+    """fast/kernels/record_ahead.py's two kernels as one loop on host memory: every check, then every append.
+    Returns whether any row was faulty."""
     m, w, width = taking.shape[0], tokens.shape[1], proposed.shape[1]
     any_fault = False
     for i in range(m):
@@ -329,44 +338,46 @@ def _record_compiled(  # pragma: no cover - compiled; tested through record_samp
         num_rejected[row] = 1 + k - n
         for j in range(width):
             proposals[row, j] = PLACEHOLDER_TOKEN_ID if any_fault else proposed[b, j]
+    return any_fault
 
 
 @njit(cache=True, nogil=True)
 def _bookkeep(  # pragma: no cover - compiled; tested through record_sampled against spec
-    takes: np.ndarray,  # [n] bool: the batch rows that reached their last input
+    seq_lens: np.ndarray,  # [n] int64 as prepared: a row whose step reached its last input token takes its sample
     rows: np.ndarray,  # [n] int64 batch_idx -> req_state_idx
-    num_drafts: np.ndarray,  # [n] int64 drafts of each batch row
+    num_drafts: np.ndarray,  # [n] int64 drafts of each batch row (empty: none)
     draft_ids: np.ndarray,  # [sum(num_drafts)] batch order
     sampled_in: np.ndarray,  # [R] int64 out: the batch_idx each row sampled in, -1 for none
     num_unverified: np.ndarray,  # [R] int64 out: drafts whose verdict is unread
     num_known: np.ndarray,  # [R] int64: the scheduler's (optimistic) count, advanced by 1 + k for every taking row
     num_proposed: np.ndarray,  # [R] int64 out: the drafter's ids each batch row keeps (rule 8)
     width: int,  # the drafter's ids per row (0: none)
-    taking: np.ndarray,  # [m] int64 out: batch_idx of the taking rows
-    taking_rows: np.ndarray,  # [m] int64 out: their req_state_idx
-    k: np.ndarray,  # [m] int64 out: their drafts
-    starts: np.ndarray,  # [m] int64 out: each one's first draft in draft_ids
+    out: np.ndarray,  # [4, n] int64 out, the first m of each: taking batch_idx | their req_state_idx | their
+    #                   drafts k | each one's first draft in draft_ids
     own_drafts: np.ndarray,  # [sum(k)] out: the taking rows' drafts, batch order
 ) -> tuple[int, int, int, int]:
     """The host's side of a record under async scheduling (spec/async_steps.py, rule 1), one pass: (taking rows m,
     their drafts sum(k), the longest known length of one before the step, the most drafts of one)."""
     sampled_in[:] = -1
     i = at = own = longest = most = 0
-    for b in range(takes.shape[0]):
-        num_proposed[rows[b]] = width if takes[b] else 0
-        if takes[b]:
-            row = rows[b]
-            taking[i], taking_rows[i], k[i], starts[i] = b, row, num_drafts[b], at
+    drafting = num_drafts.shape[0] > 0
+    for b in range(rows.shape[0]):
+        row = rows[b]
+        d = num_drafts[b] if drafting else 0
+        takes = seq_lens[b] == num_known[row] + d  # before this row's own count moves (rows are distinct)
+        num_proposed[row] = width if takes else 0
+        if takes:
+            out[0, i], out[1, i], out[2, i], out[3, i] = b, row, d, at
             sampled_in[row] = b
-            num_unverified[row] = num_drafts[b]
+            num_unverified[row] = d
             longest = max(longest, num_known[row])
-            most = max(most, num_drafts[b])
-            num_known[row] += 1 + num_drafts[b]
-            for j in range(num_drafts[b]):
+            most = max(most, d)
+            num_known[row] += 1 + d
+            for j in range(d):
                 own_drafts[own + j] = draft_ids[at + j]
-            own += num_drafts[b]
+            own += d
             i += 1
-        at += num_drafts[b]
+        at += d
     return i, own, longest, most
 
 
@@ -376,31 +387,45 @@ def _learn_verdicts(  # pragma: no cover - compiled; tested through record_sampl
     num_drafts: np.ndarray,  # [m] int64 their drafts
     written: np.ndarray,  # [m] int64 tokens each kept (1 + k after a fault: nothing is kept then)
     freed: np.ndarray,  # [f] int64 rows freed since the record: their counts left with their requests
-    faults: np.ndarray,  # [m] int32 the rows the device found faulty
+    faults: np.ndarray,  # [m] integer: the rows the device found faulty
+    continuing: np.ndarray,  # [c] int64 rows whose num_computed the next apply corrected on the device
     num_known: np.ndarray,  # [R] int64 the mirror's count, corrected here
-) -> tuple[np.ndarray, bool]:
-    """The mirror learns a record's rejections: ([R] int64 each held row's rejected drafts, 0 elsewhere; a fault)."""
-    by_row = np.zeros(num_known.shape[0], np.int64)
-    gone = np.zeros(num_known.shape[0], np.bool_)
-    for row in freed:
-        gone[row] = True
+    num_computed: np.ndarray,  # [R] int64 the mirror's num_computed, corrected here for the continuing rows
+) -> bool:
+    """The mirror learns a record's rejections; returns whether the device found a fault."""
+    by_row = np.zeros(num_known.shape[0] if continuing.shape[0] else 0, np.int64)  # [R] rejected per held row
     for i in range(rows.shape[0]):
-        if not gone[rows[i]]:
+        gone = False
+        for row in freed:  # a freed row's counts left with its request
+            gone = gone or row == rows[i]
+        if not gone:
             rejected = 1 + num_drafts[i] - written[i]
             num_known[rows[i]] -= rejected
-            by_row[rows[i]] = rejected
-    return by_row, (faults != 0).any()
+            if continuing.shape[0]:
+                by_row[rows[i]] = rejected
+    for row in continuing:
+        num_computed[row] -= by_row[row]
+    any_fault = False
+    for fault in faults:
+        any_fault = any_fault or fault != 0
+    return any_fault
 
 
 @njit(cache=True, nogil=True)
-def without(values: np.ndarray, excluded: np.ndarray, num_rows: int) -> np.ndarray:  # pragma: no cover - compiled
-    """values [n] (req_state_idx) not among excluded [e], in order: np.isin's answer in one pass."""
+def continuing_rows(  # pragma: no cover - compiled; tested through apply against spec
+    rows: np.ndarray,  # [n] int64 the plan's req_state_idx
+    table_rows: np.ndarray,  # [t] int64 the rows whose group-0 table the plan writes
+    replaced: np.ndarray,  # [t] bool: that table is replaced (a new or resumed request)
+    num_rows: int,
+) -> np.ndarray:
+    """[c] int64 the plan's rows whose table was not replaced, in order: the continuing requests' rows."""
     drop = np.zeros(num_rows, np.bool_)
-    for v in excluded:
-        drop[v] = True
-    out = np.empty(values.shape[0], np.int64)
+    for i in range(table_rows.shape[0]):
+        if replaced[i]:
+            drop[table_rows[i]] = True
+    out = np.empty(rows.shape[0], np.int64)
     c = 0
-    for v in values:
+    for v in rows:
         if not drop[v]:
             out[c] = v
             c += 1
@@ -434,13 +459,16 @@ def _correct(  # pragma: no cover - compiled; tested through apply against spec
     freed: np.ndarray,  # [f] int64 rows the apply freed
     new_rows: np.ndarray,  # [k] int64 rows new requests took
     prompt_lens: np.ndarray,  # [k] int64 their prompts
-    continuing: np.ndarray,  # [c] int64 rows that continue
+    rows: np.ndarray,  # [n] int64 the plan's rows
+    table_rows: np.ndarray,  # [t] int64 the rows whose group-0 table the plan writes
+    replaced: np.ndarray,  # [t] bool: replaced (a new or resumed request)
     known: np.ndarray,  # [R] int64 the device's exact count of known tokens
     rejected: np.ndarray,  # [R] int64 the last record's rejected drafts per row, zeroed here
     computed: np.ndarray,  # [R] int64 num_computed_tokens, corrected (rule 2)
-) -> None:
+) -> np.ndarray:
     """AheadState.commit on host memory, one pass: freed rows hold nothing, new ones their prompt, continuing
-    rows give back the drafts the last record rejected."""
+    rows give back the drafts the last record rejected. Returns [c] the continuing rows."""
+    continuing = continuing_rows(rows, table_rows, replaced, known.shape[0])
     for row in freed:
         known[row] = 0
         rejected[row] = 0
@@ -449,3 +477,4 @@ def _correct(  # pragma: no cover - compiled; tested through apply against spec
     for row in continuing:
         computed[row] -= rejected[row]
     rejected[:] = 0
+    return continuing

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from fast.async_steps import AheadState, pending_tokens_into, without
+from fast.async_steps import AheadState, pending_tokens_into
 from fast.fallback import Fallback
 from fast.runtime import upload
 from fast.sampled import record_accepted, record_one_per_row
@@ -22,6 +22,8 @@ from spec.drafts import accepted_rows, proposed_ids, token_rows
 from spec.errors import InconsistentSchedulerOutputError
 from spec.state import PoolState, StepPlan
 from spec.types import PLACEHOLDER_TOKEN_ID, SchedulerOutput, WorkerConfig
+
+_NO_DRAFTS = np.zeros(0, np.int64)  # a step without drafts: none per row (read as 0), no ids
 
 
 class StepMode(Protocol):
@@ -129,6 +131,8 @@ class Ahead:
         self.dev = dev
         self.state = AheadState(config, dev, host_mode, interpreted)
         self.recorded = False  # the last step applied had its batch recorded: its samples may be pending (rule 3)
+        self._pending = np.zeros(0, np.int32)  # [2 num_reqs] rule 3's indices | sources, reused
+        self._pending_views: tuple[int, int, dict[str, Any]] | None = None  # on CPU: (n, count, the two views)
 
     def before_apply(self, state: PoolState, applied_steps: int) -> None:
         self.state.read_due(state, applied_steps)  # the copies of records a step old: the mirror learns verdicts
@@ -136,16 +140,17 @@ class Ahead:
     def bulk_fallback(self, state: PoolState, sched: SchedulerOutput) -> Fallback | None:
         # spec's plan_step decides what the bulk path does not model: drafts after unverified ones (rule 5), and
         # windows checked from the lowest start a verdict may give (rule 4)
-        if sched.scheduled_spec_decode_tokens or state.num_unverified_drafts.any():
+        if sched.scheduled_spec_decode_tokens or self.state.unverified:
             return Fallback.ASYNC_DRAFTS
         return None
 
     def after_commit(self, state: PoolState, plan: StepPlan) -> None:
-        state.num_unverified_drafts[:] = 0  # the step after this one is scheduled knowing the verdicts
+        if self.state.unverified:  # the step after this one is scheduled knowing the verdicts
+            state.num_unverified_drafts[:] = 0
+            self.state.unverified = False
         forget_unrecorded(state, self.recorded)  # rule 3: pending tokens come from the batch run just before
         self.recorded = False
-        replaced = plan.tables[0].rows[plan.tables[0].replaced]  # new and resumed requests' rows
-        self.state.commit(plan, without(plan.rows, replaced, state.config.max_num_reqs))  # rule 2 on the device
+        self.state.commit(plan)  # rule 2 on the device
         placeholders = placeholder_rows(plan)
         if placeholders is not None:  # rule 8: at the corrected count, so after the commit
             self.state.take_proposals(*placeholders)
@@ -160,15 +165,21 @@ class Ahead:
     ) -> dict[str, Any]:
         # rule 3 (spec.async_steps.pending_tokens) in one compiled pass: indices | sources, each [num_pending]
         n = index_mapping.shape[0]
-        packed = np.empty(2 * n, np.int32)
+        if self._pending.shape[0] < 2 * n:
+            self._pending, self._pending_views = np.zeros(4 * n, np.int32), None
+        packed = self._pending[: 2 * n]
         count = pending_tokens_into(state.sampled_in, state.num_known_tokens, index_mapping, num_computed,
                                     cu_num_tokens, num_scheduled, packed)  # fmt: skip
-        if self.dev.device.type == "cpu":  # two views: fewer torch calls than one tensor sliced twice
-            indices, sources = torch.from_numpy(packed[:count]), torch.from_numpy(packed[n : n + count])
-        else:
+        if self.dev.device.type != "cpu":
             tensor = upload(packed, self.dev.device)
-            indices, sources = tensor[:count], tensor[n : n + count]
-        return {"pending_token_indices": indices, "pending_prev_batch_idx": sources}
+            return {"pending_token_indices": tensor[:count], "pending_prev_batch_idx": tensor[n : n + count]}
+        # on CPU two views of the reused buffer, made again only when the shape changes: like the batch's other
+        # arrays they are valid until the next prepare (fast/pool.py)
+        if self._pending_views is None or self._pending_views[:2] != (n, count):
+            views = {"pending_token_indices": torch.from_numpy(packed[:count]),
+                     "pending_prev_batch_idx": torch.from_numpy(packed[n : n + count])}  # fmt: skip
+            self._pending_views = (n, count, views)
+        return self._pending_views[2]
 
     def record(
         self,
@@ -193,9 +204,8 @@ class Ahead:
                 detail = f"shape {tuple(proposed.shape)}: needs [num_reqs={len(req_ids)}, num_proposed]"
                 raise InconsistentSchedulerOutputError(None, "next_draft_ids", detail)
             proposed = proposed.astype(np.int64) if isinstance(proposed, np.ndarray) else proposed.to(torch.int64)
-        num_drafts, draft_ids = drafts or (np.zeros(rows.size, np.int64), np.zeros(0, np.int64))
-        takes = seq_lens == state.num_known_tokens[rows] + num_drafts  # [num_reqs] the step reached its last input
-        self.state.record(state, applied_steps, req_ids, rows, takes, num_drafts, draft_ids, sampled, proposed)
+        num_drafts, draft_ids = drafts or (_NO_DRAFTS, _NO_DRAFTS)
+        self.state.record(state, applied_steps, req_ids, rows, seq_lens, num_drafts, draft_ids, sampled, proposed)
         self.recorded = True
 
     def _integers(self, ids: object, field: str) -> np.ndarray | torch.Tensor:

@@ -131,8 +131,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "async-stale-proposals-kept",
         "async rule 8: a record without the drafter's ids leaves its rows none (fast's host bookkeeping)",
         "fast/async_steps.py",
-        "num_proposed[rows[b]] = width if takes[b] else 0",
-        "num_proposed[rows[b]] = max(width, num_proposed[rows[b]]) if takes[b] else 0",
+        "num_proposed[row] = width if takes else 0",
+        "num_proposed[row] = max(width, num_proposed[row]) if takes else 0",
         (ASYNC_DRAFTS,),
     ),
     Mutant(
@@ -186,9 +186,9 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "async-resume-corrected-on-the-device",
         "async scheduling: the correction leaves a resumed count alone (rule 2), a resumption at once included",
-        "fast/step_modes.py",
-        "self.state.commit(plan, without(plan.rows, replaced, state.config.max_num_reqs))",
-        "self.state.commit(plan, plan.rows)",
+        "fast/async_steps.py",
+        "        if replaced[i]:\n            drop[table_rows[i]] = True\n",
+        "",
         (ASYNC,),
     ),
     Mutant(
