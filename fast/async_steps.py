@@ -35,7 +35,7 @@ _EMPTY = np.zeros(0, np.int64)
 _NO_PROPOSALS = np.zeros((0, 0), np.int64)  # [n, 0] for _record_compiled: no drafter's ids
 
 
-@dataclass
+@dataclass(slots=True)
 class _Record:
     """One record_sampled in flight: what the host needs of it once its copy is read."""
 
