@@ -136,9 +136,9 @@ class Pair:
         self.pending = Step(out, pad_to, tokens, proposed=drafter)
         ids = np.array(tokens, np.int64)
         next_ids = None if drafter is None else np.array(drafter, np.int64).reshape(len(drafter), -1)
-        self.ref.pool.record_sampled(ref_batch, self.ref.handle.asarray(ids), self._on(self.ref, next_ids))
+        self._record(self.ref, ref_batch, ids, next_ids)
         try:
-            self.cand.pool.record_sampled(cand_batch, self.cand.handle.asarray(ids), self._on(self.cand, next_ids))
+            self._record(self.cand, cand_batch, ids, next_ids)
         except Exception as exc:
             raise MismatchError(f"record_sampled: candidate raised {exc!r}, reference did not") from exc
         self.compare_snapshots("after record_sampled")
@@ -146,8 +146,13 @@ class Pair:
         return Step(out, pad_to, tokens, proposed=drafter)
 
     @staticmethod
-    def _on(side: _Side, ids: np.ndarray | None) -> Any:
-        return None if ids is None else side.handle.asarray(ids)
+    def _record(side: _Side, batch: BatchInputs, ids: np.ndarray, next_ids: np.ndarray | None) -> None:
+        """record_sampled, the drafter's ids passed only where there are some: a backend written before rule 8
+        takes two arguments."""
+        if next_ids is None:
+            side.pool.record_sampled(batch, side.handle.asarray(ids))
+        else:
+            side.pool.record_sampled(batch, side.handle.asarray(ids), side.handle.asarray(next_ids))
 
     def _call(self, what: str, fn: Callable[[_Side], Any]) -> tuple[Any, Any]:
         try:

@@ -134,7 +134,10 @@ class ProbedPool:
         old = self.last_recorded
         if old is not None and self.rng.random() < self.rate and not self._same_rows(old, batch):
             self._expect_refusal("an earlier step's batch", old)
-        self.pool.record_sampled(batch, sampled_token_ids, next_draft_ids)
+        if next_draft_ids is None:  # a backend written before rule 8 takes two arguments
+            self.pool.record_sampled(batch, sampled_token_ids)
+        else:
+            self.pool.record_sampled(batch, sampled_token_ids, next_draft_ids)
         self.last_recorded = batch
         if self.rng.random() < self.rate:
             self._expect_refusal("the batch recorded already", batch)
