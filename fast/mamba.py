@@ -66,9 +66,10 @@ def state_indices(
             continue
         batch.slot_mappings[g].fill_(PAD_SLOT_ID)  # no token writes KV to a mamba group
         table = dev.table(g)
-        if host_mode:
-            w, p, accepted = _gather_host(table, batch.index_mapping, seq_lens, num_scheduled, reads,
-                                          group.block_size, group.num_speculative_blocks)  # fmt: skip
+        if host_mode:  # [num_reqs] the count each row runs at: the device's (host memory here), corrected
+            computed = seq_lens.long() - num_scheduled.long()
+            w, p, accepted = _gather_host(table, batch.index_mapping, seq_lens, computed, reads, group.block_size,
+                                          group.num_speculative_blocks)  # fmt: skip
         else:
             w, p, accepted = mamba_state_indices_triton(table, batch.index_mapping, seq_lens, num_scheduled, reads,
                                                         group.block_size, group.num_speculative_blocks)  # fmt: skip
@@ -86,7 +87,7 @@ def _gather_host(
     table: torch.Tensor,  # [R, width] int32
     index_mapping: torch.Tensor,  # [num_reqs] int32
     seq_lens: torch.Tensor,  # [num_reqs] int32, from the corrected count
-    num_scheduled: torch.Tensor,  # [num_reqs] int32
+    computed: torch.Tensor,  # [num_reqs] int64 num_computed, corrected: seq_lens - num_scheduled
     reads: torch.Tensor,  # [4, num_reqs] int64: base | first | num_drafts | is_prefilling
     block_size: int,
     num_speculative_blocks: int,
@@ -94,7 +95,7 @@ def _gather_host(
     """(written [num_reqs, 1 + S] int32, read [num_reqs] int32, num_accepted_tokens [num_reqs] int32)."""
     rows = index_mapping.long()  # [num_reqs]
     base, first, drafts = reads[0], reads[1], reads[2]
-    accepted = seq_lens.long() - num_scheduled.long() - first  # [num_reqs] the corrected count less the first state
+    accepted = computed - first  # [num_reqs] num_accepted_tokens: the corrected count less the first state's position
     cols = torch.arange(1 + num_speculative_blocks)  # [columns]
     used = cols[None, :] <= drafts[:, None]  # [num_reqs, columns]
     write = (seq_lens.long() - 1) // block_size  # [num_reqs]
