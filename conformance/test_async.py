@@ -20,6 +20,7 @@ from conformance.backends import BackendHandle, load_backend
 from conformance.differential import DifferentialRun, budget_for, drive
 from conformance.scenario import Scenario, random_scenario
 from spec import (
+    BatchInputs,
     BlockIdError,
     CachedRequest,
     DuplicateSlotError,
@@ -346,11 +347,14 @@ def test_async_runs_reach_every_neighbour_of_a_resumption(backend: BackendHandle
 
 # ---- Mamba state groups under async scheduling (spec/mamba.py, docs/semantics.md "Mamba state groups") --------
 
-HYBRID = WorkerConfig(4, 32, 32, 100, (KVCacheGroup(4, 40), KVCacheGroup(4, 40, kind="mamba", num_speculative_blocks=2)),
-                      async_scheduling=True)  # fmt: skip
+MAMBA_GROUP = KVCacheGroup(4, 40, kind="mamba", num_speculative_blocks=2)  # align mode: an entry per 4 tokens
+HYBRID = WorkerConfig(4, 32, 32, 100, (KVCacheGroup(4, 40), MAMBA_GROUP), async_scheduling=True)
 
 
-def _mamba_fields(backend: BackendHandle, batch: object) -> tuple[list[list[int]], list[int], list[int], list[int]]:
+MambaFields = tuple[list[list[int]], list[int], list[int], list[int]]
+
+
+def _mamba_fields(backend: BackendHandle, batch: BatchInputs) -> MambaFields:
     """(written state blocks, read block, num_accepted_tokens, positions) of a hybrid batch (group 1 is mamba)."""
     got = backend.batch_to_numpy(batch)
     written, read = got["mamba_state_indices"][1].tolist(), got["mamba_prev_state_indices"][1].tolist()
@@ -358,8 +362,9 @@ def _mamba_fields(backend: BackendHandle, batch: object) -> tuple[list[list[int]
 
 
 def _hybrid_drafting_run(backend: BackendHandle, accepted: list[int]) -> StatePool:
-    """"a": prompt 10..14 (attention blocks 3, 4; state blocks 20..23), sampled 42, then position 5 and drafts 7, 8:
-    the states after positions 5, 6, 7 go to entries 1, 2, 3 (blocks 21, 22, 23); the sampler keeps `accepted`."""
+    """Request a: prompt 10..14 (attention blocks 3, 4; state blocks 20..23), sampled 42, then position 5 and drafts
+    7, 8: the states after positions 5, 6, 7 go to entries 1, 2, 3 (blocks 21, 22, 23); the sampler keeps `accepted`.
+    """
     pool = backend.make_pool(HYBRID)
     out = SchedulerOutput(new_requests=(NewRequest("a", PROMPT, ((3, 4), (20, 21, 22, 23))),),
                           num_scheduled_tokens={"a": 5})  # fmt: skip

@@ -23,7 +23,7 @@ from fast.state import DeviceState
 from spec.feature import in_batch_order
 from spec.mamba import MAMBA, NO_STATE, Mamba, MambaSteps, StateIndices, batch_steps, keeps_speculative_states
 from spec.state import PoolState, StepPlan
-from spec.types import INDEX_DTYPE, PAD_SLOT_ID, BatchInputs, WorkerConfig
+from spec.types import PAD_SLOT_ID, BatchInputs, WorkerConfig
 
 
 class FastMamba(FastFeature, Mamba):

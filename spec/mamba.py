@@ -23,6 +23,17 @@ The rule, for a batch row with num_computed c, seq_len s = c + num_scheduled, k 
            `block_ids[prev_state_idx + num_accepted_tokens - 1]`). Without drafts a = 1: column (c - 1) // B.
   is_prefilling: c < the request's prompt length (vLLM's `num_computed_tokens < prefill_len`).
 
+Under async scheduling (spec/async_steps.py) a step sent before the verdict on its row's last k' drafts carries
+the scheduler's optimistic c; the pool runs it at c - r (rule 2, r drafts rejected), and the read, num_accepted_tokens
+a = 1 + k' - r and the write all follow that corrected count, as vLLM's kernels index the state with the accepted
+count read on the device (`num_accepted_tokens`), never with the count sent. The read is therefore kept as its
+base and `first` = s' - 1 - k' (a = c - first), and prepare takes c from the batch (seq_lens - num_scheduled): fast
+computes it where the corrected count is, on the device. A row's last seq_len is its num_computed_tokens as the
+pool holds it (corrected) plus the step's tokens. The checks read every count a verdict may give, c - k' .. c,
+as rule 4 does for windows: 11 requires the state after c' - 1 kept for each (so such a step is sent at c = s'
+exactly), 12 no null block at any entry some verdict reads or writes, 13 no other request writing a block some
+verdict has this one write. Fresh rows are never corrected.
+
 vLLM copies the read state into the write column before the forward when the two differ (preprocess_mamba);
 slotmap names both blocks and leaves the copy, like every state update, to the model. BatchInputs carries,
 per mamba group, `mamba_state_indices` [num_reqs, 1 + num_speculative_blocks] (the write blocks, -1 past the
@@ -150,7 +161,7 @@ def state_read(
         return StateRead(c - 1, c - 1, c, prompt_len, missing)
     first_stored = last_seq_len - 1 - last_num_drafts  # the states after positions first_stored .. last_seq_len - 1
     missing = None
-    if not (1 <= lowest - first_stored and c - first_stored <= 1 + last_num_drafts):
+    if not (lowest - first_stored >= 1 and c - first_stored <= 1 + last_num_drafts):
         stored = f"{first_stored}..{last_seq_len - 1}"
         verdict = "" if lowest == c else f" ({lowest} if the unread verdict rejects its {c - lowest} drafts)"
         missing = f"{c} computed{verdict}, but the last step stored the states after positions {stored} only"

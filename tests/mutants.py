@@ -583,8 +583,10 @@ MUTANTS: tuple[Mutant, ...] = (
         "spec/mamba.py",
         "num_computed = np.asarray(batch.seq_lens) - np.asarray(batch.num_scheduled_tokens)",
         "num_computed = in_batch_order(plan.num_computed, order)",  # the count the scheduler sent
-        (f"{ASYNC}::test_a_mamba_state_is_read_from_the_corrected_count",
-         f"{ASYNC}::test_async_hybrid_runs_agree_with_spec_on_every_step"),
+        (
+            f"{ASYNC}::test_a_mamba_state_is_read_from_the_corrected_count",
+            f"{ASYNC}::test_async_hybrid_runs_agree_with_spec_on_every_step",
+        ),
     ),
     Mutant(
         "mamba-async-read-from-the-optimistic-count-host-mode",
@@ -592,8 +594,10 @@ MUTANTS: tuple[Mutant, ...] = (
         "fast/mamba.py",
         "            computed = seq_lens.long() - num_scheduled.long()\n",
         "            computed = torch.from_numpy(in_batch_order(plan.num_computed, order))\n",  # the host's plan
-        (f"{ASYNC}::test_a_mamba_state_is_read_from_the_corrected_count",
-         f"{ASYNC}::test_async_hybrid_runs_agree_with_spec_on_every_step"),
+        (
+            f"{ASYNC}::test_a_mamba_state_is_read_from_the_corrected_count",
+            f"{ASYNC}::test_async_hybrid_runs_agree_with_spec_on_every_step",
+        ),
     ),
     Mutant(
         "mamba-async-state-indices-from-host-seq-lens-triton",
