@@ -470,6 +470,37 @@ def test_a_new_request_on_a_row_whose_owner_drafted_reads_its_own_state(
     assert row.token_ids == (30, 31, 32, 33, 34, 35, 50) and row.num_computed_tokens == 6
 
 
+@pytest.mark.parametrize(
+    ("kept", "read", "accepted", "positions"),
+    [([7, 8, 50], 23, 3, [8, 9, 10]), ([7, 50, -1], 22, 2, [7, 8, 9]), ([50, -1, -1], 21, 1, [6, 7, 8])],
+)
+def test_mamba_drafts_proposed_on_the_device_after_unverified_drafts_follow_the_corrected_count(
+    backend: BackendHandle, kept: list[int], read: int, accepted: int, positions: list[int]
+) -> None:
+    # Rule 8: placeholder drafts may follow unverified ones. Step 2 (drafts 7, 8 proposed at the prefill) stores the
+    # states after positions 5, 6, 7 in entries 1, 2, 3 (blocks 21, 22, 23); the sampler keeps `kept` and the
+    # drafter proposes 60, 61. Step 3 goes out at 8 with two placeholders and runs at 8 - r: it reads the state
+    # after position 7 - r (entry 3 - r), num_accepted_tokens 3 - r, and writes seq_len (11 - r) - 1 = 10 - r's
+    # entry 2 and the drafts' 3, 4 (blocks 22, 23, 24) for every r here.
+    pool = backend.make_pool(HYBRID)
+    out = SchedulerOutput(new_requests=(NewRequest("a", PROMPT, ((3, 4), (20, 21, 22, 23))),),
+                          num_scheduled_tokens={"a": 5})  # fmt: skip
+    pool.apply(out)
+    pool.record_sampled(pool.prepare(out), _ids(backend, [42]), _ids(backend, [[7, 8]]))
+    out = SchedulerOutput(cached_requests=(CachedRequest("a", 5),), num_scheduled_tokens={"a": 3},
+                          scheduled_spec_decode_tokens={"a": (-1, -1)})  # fmt: skip
+    pool.apply(out)
+    batch = pool.prepare(out)
+    assert _mamba_fields(backend, batch) == ([[21, 22, 23]], [21], [1], [5, 6, 7])
+    pool.record_sampled(batch, _ids(backend, [kept]), _ids(backend, [[60, 61]]))
+    ahead = SchedulerOutput(cached_requests=(CachedRequest("a", 8, ((5,), (24,))),), num_scheduled_tokens={"a": 3},
+                            scheduled_spec_decode_tokens={"a": (-1, -1)})  # fmt: skip
+    pool.apply(ahead)
+    batch = pool.prepare(ahead)
+    assert _mamba_fields(backend, batch) == ([[22, 23, 24]], [read], [accepted], positions)
+    assert backend.batch_to_numpy(batch)["input_ids"].tolist()[1:] == [60, 61]
+
+
 def test_async_hybrid_runs_agree_with_spec_on_every_step(backend: BackendHandle, conformance_scale: float) -> None:
     # the reference scheduler drafting on a hybrid model, one step ahead: every batch (the mamba fields included)
     # and every snapshot compared with spec's and the scheduler's own account

@@ -174,7 +174,7 @@ def write_column(num_computed: int, num_scheduled: int, block_size: int) -> int:
 
 def written_columns(read: StateRead, num_computed: int, num_scheduled: int, block_size: int, num_drafts: int) -> range:
     """The entries a step may write, for every verdict (async: its count anywhere from read.lowest on): from the
-    lowest count's write column to the sent count's, then its drafts' (no drafts follow unverified ones)."""
+    lowest count's write column to the sent count's, then its drafts' (rule 8's may follow unverified ones)."""
     low = write_column(read.lowest, num_scheduled, block_size)
     return range(low, write_column(num_computed, num_scheduled, block_size) + num_drafts + 1)
 
