@@ -340,7 +340,7 @@ class Mamba(Feature):
                 continue
             last = rows.last_seq_len(state, row), int(rows.last_num_drafts[row])
             fresh = s.fresh_tables
-            lowest = c if fresh else lowest_start(state, s.req_id, c)  # rule 2 corrects no fresh row's count
+            lowest = lowest_start(state, s.req_id, c, s.resumed)  # rule 2 corrects no fresh row's count
             prompt_len = int(rows.prompt_lens[row])
             self.reads[s.req_id] = state_read(c, lowest, prompt_len, fresh, *last, self.min_block)
 
