@@ -88,7 +88,9 @@ def _token_id(ctx: _Ctx) -> SchedulerOutput | None:
         return None
     drafts: list[Any] = list(r.drafts) or [ctx.token() for _ in range(ctx.rng.randint(1, r.num_scheduled - 1))]
     i = ctx.rng.randrange(len(drafts))
-    bad = ctx.rng.choice((ctx.config.vocab_size, -1, 2**40, float(drafts[i]), drafts[i] + 0.5, str(drafts[i])))
+    # under async scheduling -1 is PLACEHOLDER_TOKEN_ID, a draft proposed on the device (rule 8), not a bad id
+    negative = () if ctx.config.async_scheduling else (-1,)
+    bad = ctx.rng.choice((ctx.config.vocab_size, *negative, 2**40, float(drafts[i]), drafts[i] + 0.5, str(drafts[i])))
     drafts[i] = bad
     return _with_drafts(ctx.out, r.req_id, ctx.rng.choice((tuple(drafts), list(drafts))))
 

@@ -11,7 +11,8 @@ construction:
 
 A table edit of a continuing request resends its whole table as a resumed one, which makes its state read a
 fresh row's (a cached state at a block end), so only requests whose num_computed_tokens is a multiple of every
-mamba block size are edited that way (`resumable`).
+mamba block size are edited that way (`resumable`), and under async scheduling only requests whose last verdict
+was read (a resumption with unverified drafts behind it is refused first: check 8, spec/async_steps.py rule 7).
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ class _Ctx:
         self.spare_budget = config.max_num_batched_tokens - out.total_num_scheduled_tokens
 
     def editable(self) -> list[GeneratorRequest]:
-        return [r for r in self.reqs if resumable(self.config, r.num_computed, r.is_new or r.resumed)]
+        fresh = [r for r in self.reqs if r.is_new or r.resumed or r.may_draft]  # may_draft: its verdict was read
+        return [r for r in fresh if resumable(self.config, r.num_computed, r.is_new or r.resumed)]
 
 
 def _with_table(ctx: _Ctx, r: GeneratorRequest, g: int, table: list[int]) -> SchedulerOutput:
@@ -82,11 +84,14 @@ def _state_missing(ctx: _Ctx) -> SchedulerOutput | None:
     """A continuing request moved back past every state its last step kept (1 + its drafts, at most 1 + S)."""
     groups = ctx.config.kv_groups
     back = 1 + max(groups[g].num_speculative_blocks for g in ctx.mamba)
+    # async: windows are checked from the lowest start a verdict gives (rule 4), up to the drafts it may have behind it
+    ahead = 0 if not ctx.config.async_scheduling else back - 1
     options = [
         r
         for r in ctx.reqs
-        if not r.is_new and not r.resumed and not r.drafts and r.num_computed >= back
-        and all(g.first_live_entry(r.num_computed - back) == g.first_live_entry(r.num_computed) for g in groups)
+        if not r.is_new and not r.resumed and not r.drafts and r.num_computed >= back + ahead * (not r.may_draft)
+        and all(g.first_live_entry(r.num_computed - back - ahead * (not r.may_draft))
+                == g.first_live_entry(r.num_computed) for g in groups)
     ]  # fmt: skip
     if not options:
         return None

@@ -161,8 +161,7 @@ def random_scenario(
         hybrid_rng = random.Random(f"hybrid {seed}")
         if hybrid_rng.random() < MAMBA_SHARE:  # spec/mamba.py
             config = with_mamba_group(config, knobs, hybrid_rng)
-    no_mamba = not any(g.kind == "mamba" for g in config.kv_groups)  # async with a mamba group is not modelled
-    if async_scheduling and no_mamba and random.Random(f"async {seed}").random() < ASYNC_SHARE:  # own source too
+    if async_scheduling and random.Random(f"async {seed}").random() < ASYNC_SHARE:  # own source too
         config = replace(config, async_scheduling=True)
     if len(config.kv_groups) > 1 and random.Random(f"one pool {seed}").random() < ONE_POOL_SHARE:  # own source
         config = with_one_block_pool(config)

@@ -149,7 +149,7 @@ def scenarios(
     knobs = draw(scheduler_knobs(config))
     if hybrid and draw(st.integers(0, 2)) == 0:  # a hybrid model: a mamba group too (spec/mamba.py)
         config = with_mamba_group(config, knobs, random.Random(draw(st.integers(0, 2**32 - 1))))
-    elif draw(st.integers(0, 3)) == 0:  # steps scheduled one ahead of the samples (spec/async_steps.py)
+    if draw(st.integers(0, 3)) == 0:  # steps scheduled one ahead of the samples (spec/async_steps.py), hybrid too
         config = replace(config, async_scheduling=True)
         knobs = with_resume_draw(knobs, random.Random(draw(st.integers(0, 2**32 - 1))))  # rule 7's neighbours
     if len(config.kv_groups) > 1 and draw(st.booleans()):  # vLLM's one block pool for all groups, or one per group

@@ -20,10 +20,13 @@ from conformance.backends import BackendHandle, load_backend
 from conformance.differential import DifferentialRun, budget_for, drive
 from conformance.scenario import Scenario, random_scenario
 from spec import (
+    BatchInputs,
     BlockIdError,
     CachedRequest,
+    DuplicateSlotError,
     InconsistentSchedulerOutputError,
     KVCacheGroup,
+    MissingBlockError,
     NewRequest,
     SchedulerOutput,
     TokenIdError,
@@ -188,11 +191,6 @@ def test_every_position_of_an_accepted_prefix_is_checked_late(
     assert pool.snapshot() == before
 
 
-def test_async_scheduling_with_a_mamba_group_is_refused() -> None:
-    with pytest.raises(ValueError, match="async_scheduling with a mamba group"):
-        dataclasses.replace(CONFIG, kv_groups=(KVCacheGroup(16, 64), KVCacheGroup(64, 8, kind="mamba")))
-
-
 def test_async_runs_agree_with_spec_on_every_step(backend: BackendHandle, conformance_scale: float) -> None:
     budget = budget_for(backend, settings().max_examples, conformance_scale)
     optimistic = 0
@@ -345,3 +343,187 @@ def test_async_runs_reach_every_neighbour_of_a_resumption(backend: BackendHandle
         drive(run, budget.max_steps)
         seen.update({stat: getattr(run.sched.stats, stat) for stat in NEIGHBOURS})
     assert all(seen[stat] > 0 for stat in NEIGHBOURS), f"not reached on {backend.name}: {seen}"
+
+
+# ---- Mamba state groups under async scheduling (spec/mamba.py, docs/semantics.md "Mamba state groups") --------
+
+MAMBA_GROUP = KVCacheGroup(4, 40, kind="mamba", num_speculative_blocks=2)  # align mode: an entry per 4 tokens
+HYBRID = WorkerConfig(4, 32, 32, 100, (KVCacheGroup(4, 40), MAMBA_GROUP), async_scheduling=True)
+
+
+MambaFields = tuple[list[list[int]], list[int], list[int], list[int]]
+
+
+def _mamba_fields(backend: BackendHandle, batch: BatchInputs) -> MambaFields:
+    """(written state blocks, read block, num_accepted_tokens, positions) of a hybrid batch (group 1 is mamba)."""
+    got = backend.batch_to_numpy(batch)
+    written, read = got["mamba_state_indices"][1].tolist(), got["mamba_prev_state_indices"][1].tolist()
+    return written, read, got["num_accepted_tokens"].tolist(), got["positions"].tolist()
+
+
+def _hybrid_drafting_run(backend: BackendHandle, accepted: list[int]) -> StatePool:
+    """Request a: prompt 10..14 (attention blocks 3, 4; state blocks 20..23), sampled 42, then position 5 and drafts
+    7, 8: the states after positions 5, 6, 7 go to entries 1, 2, 3 (blocks 21, 22, 23); the sampler keeps `accepted`.
+    """
+    pool = backend.make_pool(HYBRID)
+    out = SchedulerOutput(new_requests=(NewRequest("a", PROMPT, ((3, 4), (20, 21, 22, 23))),),
+                          num_scheduled_tokens={"a": 5})  # fmt: skip
+    pool.apply(out)
+    batch = pool.prepare(out)
+    assert _mamba_fields(backend, batch)[:3] == ([[21, -1, -1]], [-1], [1])  # entry (5 - 1) // 4; no prior state
+    pool.record_sampled(batch, _ids(backend, [42]))
+    out = SchedulerOutput(cached_requests=(CachedRequest("a", 5),), num_scheduled_tokens={"a": 3},
+                          scheduled_spec_decode_tokens={"a": (7, 8)})  # fmt: skip
+    pool.apply(out)
+    batch = pool.prepare(out)
+    assert _mamba_fields(backend, batch)[:3] == ([[21, 22, 23]], [21], [1])  # seq_len 8: entry 1, the drafts' 2, 3
+    pool.record_sampled(batch, _ids(backend, [[*accepted, -1, -1][:3]]))
+    return pool
+
+
+@pytest.mark.parametrize(
+    ("accepted", "read", "written", "kept", "position", "then_read", "then_written"),
+    [
+        # both drafts kept: runs at 8 (as sent); reads the state after position 7 (entry 3), writes entry 8 // 4
+        ([7, 8, 9], 23, 22, 3, 8, 22, 22),
+        # draft 8 rejected: runs at 7; the state after position 6 (entry 2, draft 7's), writes entry 7 // 4
+        ([7, 9], 22, 21, 2, 7, 21, 22),
+        # both rejected: runs at 6; the state after position 5 (entry 1), writes entry 6 // 4
+        ([9], 21, 21, 1, 6, 21, 21),
+    ],
+)
+def test_a_mamba_state_is_read_from_the_corrected_count(
+    backend: BackendHandle,
+    accepted: list[int],
+    read: int,
+    written: int,
+    kept: int,
+    position: int,
+    then_read: int,
+    then_written: int,
+) -> None:
+    # The step after the drafting one goes out before its verdict, at num_computed 8 (both drafts counted). The
+    # pool runs it at 8 - r (rule 2), and its state read and num_accepted_tokens follow that count: the state after
+    # position 7 - r, in entry 1 + (3 - r) - 1. The step after it, sent with exact counts at 9 - r, reads the state
+    # that step wrote (entry (8 - r) // 4): its last seq_len is the corrected one.
+    pool = _hybrid_drafting_run(backend, accepted)
+    ahead = SchedulerOutput(cached_requests=(CachedRequest("a", 8, ((5,), (24,))),), num_scheduled_tokens={"a": 1})
+    pool.apply(ahead)
+    batch = pool.prepare(ahead)
+    assert _mamba_fields(backend, batch) == ([[written, -1, -1]], [read], [kept], [position])
+    pool.record_sampled(batch, _ids(backend, [11]))
+    exact = SchedulerOutput(cached_requests=(CachedRequest("a", position + 1),), num_scheduled_tokens={"a": 1})
+    pool.apply(exact)
+    batch = pool.prepare(exact)
+    assert _mamba_fields(backend, batch) == ([[then_written, -1, -1]], [then_read], [1], [position + 1])
+    (row,) = pool.snapshot()
+    assert row.token_ids == (*PROMPT, 42, *accepted, 11) and row.num_computed_tokens == position + 1
+
+
+def test_a_mamba_step_sent_below_the_optimistic_count_is_refused(backend: BackendHandle) -> None:
+    # As rule 4 checks windows: the state read is checked for every count a verdict may give. Sent at 7 with two
+    # drafts unverified, the step runs at 5 if both were rejected, and the state after position 4 was overwritten
+    # (entry 1 holds the state after position 5), whatever this verdict was (here: both drafts kept).
+    pool = _hybrid_drafting_run(backend, [7, 8, 9])
+    before = pool.snapshot()
+    short = SchedulerOutput(cached_requests=(CachedRequest("a", 7, ((5,), (24,))),), num_scheduled_tokens={"a": 1})
+    with pytest.raises(MissingBlockError, match=re.escape("7 computed (5 if the unread verdict rejects its 2 drafts)")):
+        pool.apply(short)
+    assert pool.snapshot() == before
+
+
+def test_a_mamba_state_block_any_verdict_may_write_is_written_by_no_other_request(backend: BackendHandle) -> None:
+    # Sent at 8, "a" writes entry 8 // 4 = 2 (block 22); had the verdict rejected both drafts it would run at 6 and
+    # write entry 6 // 4 = 1 (block 21). A new request writing block 21 is refused (check 13) whatever this verdict
+    # was (here: both kept), as rule 4 checks windows from the lowest start a verdict may give.
+    pool = _hybrid_drafting_run(backend, [7, 8, 9])
+    before = pool.snapshot()
+    other = NewRequest("b", (30, 31, 32, 33), ((6,), (21, 25, 26)))  # writes entry (4 - 1) // 4 = 0: block 21
+    clash = SchedulerOutput(new_requests=(other,), cached_requests=(CachedRequest("a", 8, ((5,), (24,))),),
+                            num_scheduled_tokens={"a": 1, "b": 4})  # fmt: skip
+    with pytest.raises(DuplicateSlotError):
+        pool.apply(clash)
+    assert pool.snapshot() == before
+
+
+@pytest.mark.parametrize("accepted", [[7, 8, 9], [9]])
+def test_a_new_request_on_a_row_whose_owner_drafted_reads_its_own_state(
+    backend: BackendHandle, accepted: list[int]
+) -> None:
+    # vllm-ascend #13864: accepted counts kept in persistent rows reached the next request on the row. "a" finishes
+    # before its verdict is read and "b" takes row 0 with a prefix hit of 4 tokens: it reads the state cached at
+    # the end of its entry 0 (block 25), num_accepted_tokens 1, whatever a's verdict; nothing of a's is corrected
+    # into b's counts, on this step or the next.
+    pool = _hybrid_drafting_run(backend, accepted)
+    new = NewRequest("b", (30, 31, 32, 33, 34, 35), ((6, 7), (25, 26, 27, 28)), num_computed_tokens=4)
+    out = SchedulerOutput(new_requests=(new,), num_scheduled_tokens={"b": 2}, finished_req_ids=frozenset({"a"}))
+    pool.apply(out)
+    batch = pool.prepare(out)
+    assert backend.batch_to_numpy(batch)["index_mapping"].tolist() == [0]
+    assert _mamba_fields(backend, batch) == ([[26, -1, -1]], [25], [1], [4, 5])  # writes entry (6 - 1) // 4
+    assert backend.batch_to_numpy(batch)["pending_token_indices"].size == 0
+    pool.record_sampled(batch, _ids(backend, [50]))
+    out = SchedulerOutput(cached_requests=(CachedRequest("b", 6),), num_scheduled_tokens={"b": 1})
+    pool.apply(out)  # a's record is read by now (fast's host mirror): its rejections are not b's
+    assert _mamba_fields(backend, pool.prepare(out)) == ([[26, -1, -1]], [26], [1], [6])
+    (row,) = pool.snapshot()
+    assert row.token_ids == (30, 31, 32, 33, 34, 35, 50) and row.num_computed_tokens == 6
+
+
+@pytest.mark.parametrize(
+    ("kept", "read", "accepted", "positions"),
+    [([7, 8, 50], 23, 3, [8, 9, 10]), ([7, 50, -1], 22, 2, [7, 8, 9]), ([50, -1, -1], 21, 1, [6, 7, 8])],
+)
+def test_mamba_drafts_proposed_on_the_device_after_unverified_drafts_follow_the_corrected_count(
+    backend: BackendHandle, kept: list[int], read: int, accepted: int, positions: list[int]
+) -> None:
+    # Rule 8: placeholder drafts may follow unverified ones. Step 2 (drafts 7, 8 proposed at the prefill) stores the
+    # states after positions 5, 6, 7 in entries 1, 2, 3 (blocks 21, 22, 23); the sampler keeps `kept` and the
+    # drafter proposes 60, 61. Step 3 goes out at 8 with two placeholders and runs at 8 - r: it reads the state
+    # after position 7 - r (entry 3 - r), num_accepted_tokens 3 - r, and writes seq_len (11 - r) - 1 = 10 - r's
+    # entry 2 and the drafts' 3, 4 (blocks 22, 23, 24) for every r here.
+    pool = backend.make_pool(HYBRID)
+    out = SchedulerOutput(new_requests=(NewRequest("a", PROMPT, ((3, 4), (20, 21, 22, 23))),),
+                          num_scheduled_tokens={"a": 5})  # fmt: skip
+    pool.apply(out)
+    pool.record_sampled(pool.prepare(out), _ids(backend, [42]), _ids(backend, [[7, 8]]))
+    out = SchedulerOutput(cached_requests=(CachedRequest("a", 5),), num_scheduled_tokens={"a": 3},
+                          scheduled_spec_decode_tokens={"a": (-1, -1)})  # fmt: skip
+    pool.apply(out)
+    batch = pool.prepare(out)
+    assert _mamba_fields(backend, batch) == ([[21, 22, 23]], [21], [1], [5, 6, 7])
+    pool.record_sampled(batch, _ids(backend, [kept]), _ids(backend, [[60, 61]]))
+    ahead = SchedulerOutput(cached_requests=(CachedRequest("a", 8, ((5,), (24,))),), num_scheduled_tokens={"a": 3},
+                            scheduled_spec_decode_tokens={"a": (-1, -1)})  # fmt: skip
+    pool.apply(ahead)
+    batch = pool.prepare(ahead)
+    assert _mamba_fields(backend, batch) == ([[22, 23, 24]], [read], [accepted], positions)
+    assert backend.batch_to_numpy(batch)["input_ids"].tolist()[1:] == [60, 61]
+
+
+def test_async_hybrid_runs_agree_with_spec_on_every_step(backend: BackendHandle, conformance_scale: float) -> None:
+    # the reference scheduler drafting on hybrid models, one step ahead: every batch (the mamba fields included) and
+    # every snapshot compared with spec's and the scheduler's own account. Only scenarios whose drafts may be
+    # rejected send optimistic counts; their runs draft once their prefills are done, so each runs 16 steps or more,
+    # and the seeds go on past the budget's count until one step was sent with an optimistic count
+    budget = budget_for(backend, settings().max_examples, conformance_scale)
+    seeds = [s for s in range(60) if _may_reject_drafts(random_scenario(s, spec_decode=True, hybrid=True))]
+    optimistic = 0
+    for done, seed in enumerate(seeds):
+        if done >= max(2, budget.examples // 4) and optimistic:
+            break
+        scenario = random_scenario(seed, spec_decode=True, hybrid=True)
+        scenario = dataclasses.replace(scenario, config=dataclasses.replace(scenario.config, async_scheduling=True))
+        run = DifferentialRun(scenario, backend)
+        drive(run, max(budget.max_steps, 16))
+        optimistic += run.sched.stats.optimistic_counts
+    assert optimistic > 0, "no hybrid step was sent with an optimistic count"
+
+
+def _may_reject_drafts(scenario: Scenario) -> bool:
+    knobs = scenario.knobs
+    return _has_mamba(scenario) and knobs.spec_tokens > 0 and knobs.acceptance_rate < 1
+
+
+def _has_mamba(scenario: Scenario) -> bool:
+    return any(g.kind == "mamba" for g in scenario.config.kv_groups)

@@ -23,6 +23,17 @@ The rule, for a batch row with num_computed c, seq_len s = c + num_scheduled, k 
            `block_ids[prev_state_idx + num_accepted_tokens - 1]`). Without drafts a = 1: column (c - 1) // B.
   is_prefilling: c < the request's prompt length (vLLM's `num_computed_tokens < prefill_len`).
 
+Under async scheduling (spec/async_steps.py) a step sent before the verdict on its row's last k' drafts carries
+the scheduler's optimistic c; the pool runs it at c - r (rule 2, r drafts rejected), and the read, num_accepted_tokens
+a = 1 + k' - r and the write all follow that corrected count, as vLLM's kernels index the state with the accepted
+count read on the device (`num_accepted_tokens`), never with the count sent. The read is therefore kept as its
+base and `first` = s' - 1 - k' (a = c - first), and prepare takes c from the batch (seq_lens - num_scheduled): fast
+computes it where the corrected count is, on the device. A row's last seq_len is its num_computed_tokens as the
+pool holds it (corrected) plus the step's tokens. The checks read every count a verdict may give, c - k' .. c,
+as rule 4 does for windows: 11 requires the state after c' - 1 kept for each (so such a step is sent at c = s'
+exactly), 12 no null block at any entry some verdict reads or writes, 13 no other request writing a block some
+verdict has this one write. Fresh rows are never corrected.
+
 vLLM copies the read state into the write column before the forward when the two differ (preprocess_mamba);
 slotmap names both blocks and leaves the copy, like every state update, to the model. BatchInputs carries,
 per mamba group, `mamba_state_indices` [num_reqs, 1 + num_speculative_blocks] (the write blocks, -1 past the
@@ -45,6 +56,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from spec.async_steps import lowest_start
 from spec.errors import BlockIdError, BlockTableOverflowError, MissingBlockError, NullBlockError
 from spec.feature import Feature, in_batch_order
 from spec.group_rules import AttentionRules, GroupRules, NoTokenKV
@@ -76,11 +88,15 @@ def keeps_speculative_states(config: WorkerConfig) -> bool:
 
 
 class MambaRows:
-    """Per row, what the next step's read needs of the last one: the pool's own record, cleared with the row."""
+    """Per row, what the next step's read needs of the last one: the pool's own record, cleared with the row.
+
+    The last step's seq_len is the row's num_computed_tokens (the pool's, which async scheduling corrects after
+    this commit: spec/async_steps.py rule 2) plus its scheduled tokens, so it is kept as the scheduled count.
+    """
 
     def __init__(self, rows: int) -> None:
         self.prompt_lens = np.zeros(rows, np.int64)  # [R] the request's prompt length
-        self.last_seq_lens = np.zeros(rows, np.int64)  # [R] seq_len of the row's last step
+        self.last_num_scheduled = np.zeros(rows, np.int64)  # [R] tokens of the row's last step
         self.last_num_drafts = np.zeros(rows, np.int64)  # [R] drafts of the row's last step
 
     def commit(
@@ -89,51 +105,78 @@ class MambaRows:
         new_rows: np.ndarray,  # [k] req_state_idx of the new requests
         prompt_lens: np.ndarray,  # [k]
         rows: np.ndarray,  # [n] scheduler order -> req_state_idx
-        seq_lens: np.ndarray,  # [n] scheduler order
+        num_scheduled: np.ndarray,  # [n] scheduler order
         num_drafts: np.ndarray | None,  # [n] scheduler order; None: nobody drafts
     ) -> None:
-        for array in (self.prompt_lens, self.last_seq_lens, self.last_num_drafts):
+        for array in (self.prompt_lens, self.last_num_scheduled, self.last_num_drafts):
             array[freed_rows] = 0  # the next owner of a row starts from nothing (vLLM PR #37728)
         self.prompt_lens[new_rows] = prompt_lens
-        self.last_seq_lens[rows] = seq_lens
+        self.last_num_scheduled[rows] = num_scheduled
         self.last_num_drafts[rows] = 0 if num_drafts is None else num_drafts
+
+    def last_seq_len(self, state: PoolState, row: int) -> int:
+        """seq_len of the row's last step, from the pool's num_computed_tokens as it stands (corrected)."""
+        return int(state.num_computed_tokens[row]) + int(self.last_num_scheduled[row])
 
 
 @dataclass(frozen=True)
 class StateRead:
-    """Where one scheduled request's initial state is: the state after position num_computed - 1."""
+    """Where one scheduled request's initial state is: the state after position num_computed - 1.
+
+    The read column is `base // B + a - 1` with a = num_computed - first (num_accepted_tokens), taken from the count
+    the step runs at: under async scheduling the corrected one, anywhere from `lowest` to the count sent.
+    """
 
     base: int  # position whose block's column is the read column's base: c - 1 fresh, s' - 1 continuing; -1: none
-    num_accepted: int  # the read column is base // B + num_accepted - 1
+    first: int  # position whose state the base column holds: c - 1 fresh, s' - 1 - k' continuing
+    lowest: int  # the lowest num_computed a verdict may give the step (async rule 4's start); c where exact
     prompt_len: int
-    missing: str | None  # why the state after position c - 1 was never stored (check 11), else None
+    missing: str | None  # why the state after position c - 1 may never have been stored (check 11), else None
 
-    def column(self, block_size: int) -> int:
-        return NO_STATE if self.base < 0 else self.base // block_size + self.num_accepted - 1
+    def column(self, block_size: int, num_computed: int) -> int:
+        """The entry read by the step run at `num_computed` (NO_STATE without a prior state)."""
+        return NO_STATE if self.base < 0 else self.base // block_size + num_computed - self.first - 1
 
 
 def state_read(
-    num_computed: int, prompt_len: int, fresh: bool, last_seq_len: int, last_num_drafts: int, min_block: int
+    num_computed: int,
+    lowest: int,
+    prompt_len: int,
+    fresh: bool,
+    last_seq_len: int,
+    last_num_drafts: int,
+    min_block: int,
 ) -> StateRead:
     """The read of one request: `fresh` for a new or resumed one, else from its last step's seq_len and drafts.
 
-    `min_block` is the smallest mamba block size: a fresh row's hit must be whole blocks of every mamba group.
+    `lowest` is the lowest num_computed the unread verdict on the last step's drafts may give the step (async
+    scheduling, spec/async_steps.py rule 2; num_computed otherwise): the state must have been stored for every
+    count from there to num_computed, so with k' unverified drafts the step must be sent at s' exactly. A fresh
+    row's count is never corrected. `min_block` is the smallest mamba block size: a fresh row's hit must be whole
+    blocks of every mamba group.
     """
     c = num_computed
     if fresh:
         missing = None if c % min_block == 0 else f"{c} computed: a cached state covers whole blocks of {min_block}"
-        return StateRead(c - 1, 1, prompt_len, missing)
+        return StateRead(c - 1, c - 1, c, prompt_len, missing)
     first_stored = last_seq_len - 1 - last_num_drafts  # the states after positions first_stored .. last_seq_len - 1
-    accepted = c - first_stored
     missing = None
-    if not 1 <= accepted <= 1 + last_num_drafts:
+    if not (lowest - first_stored >= 1 and c - first_stored <= 1 + last_num_drafts):
         stored = f"{first_stored}..{last_seq_len - 1}"
-        missing = f"{c} computed, but the last step stored the states after positions {stored} only"
-    return StateRead(last_seq_len - 1, accepted, prompt_len, missing)
+        verdict = "" if lowest == c else f" ({lowest} if the unread verdict rejects its {c - lowest} drafts)"
+        missing = f"{c} computed{verdict}, but the last step stored the states after positions {stored} only"
+    return StateRead(last_seq_len - 1, first_stored, lowest, prompt_len, missing)
 
 
 def write_column(num_computed: int, num_scheduled: int, block_size: int) -> int:
     return (num_computed + num_scheduled - 1) // block_size
+
+
+def written_columns(read: StateRead, num_computed: int, num_scheduled: int, block_size: int, num_drafts: int) -> range:
+    """The entries a step may write, for every verdict (async: its count anywhere from read.lowest on): from the
+    lowest count's write column to the sent count's, then its drafts' (rule 8's may follow unverified ones)."""
+    low = write_column(read.lowest, num_scheduled, block_size)
+    return range(low, write_column(num_computed, num_scheduled, block_size) + num_drafts + 1)
 
 
 # ---- the numbered checks, for a mamba group (spec/validate.py calls them in its order) --------------------
@@ -155,33 +198,36 @@ def check_drafts(req_id: str, g: int, group: KVCacheGroup, num_drafts: int) -> N
 
 
 def check_present(
-    req_id: str, g: int, group: KVCacheGroup, table: np.ndarray, read: StateRead, write: int, num_drafts: int
+    req_id: str, g: int, group: KVCacheGroup, table: np.ndarray, read: StateRead, c: int, write: int, num_drafts: int
 ) -> None:
-    """11: the read state was stored, and the table reaches the read column and the last written one."""
+    """11: the read state was stored, and the table reaches the read column and the last written one (both the
+    highest at the count sent, `c`, whose write column is `write`)."""
     if read.missing is not None:
         raise MissingBlockError(req_id, "num_computed_tokens", f"no state to start from: {read.missing}")
-    last = max(read.column(group.block_size), write + num_drafts)
+    last = max(read.column(group.block_size, c), write + num_drafts)
     if last >= table.size:
         detail = f"the state needs entry {last} (write column {write} + {num_drafts} drafts), table has {table.size}"
         raise MissingBlockError(req_id, f"block_ids[{g}]", detail)
 
 
 def check_not_null(
-    req_id: str, g: int, group: KVCacheGroup, table: np.ndarray, read: StateRead, write: int, num_drafts: int
+    req_id: str, g: int, group: KVCacheGroup, table: np.ndarray, read: StateRead, c: int, written: range
 ) -> None:
-    """12: no state the step reads or writes is the null block, which every request would share."""
-    read_col = read.column(group.block_size)
-    if read_col != NO_STATE and table[read_col] == NULL_BLOCK_ID:
-        raise NullBlockError(req_id, f"block_ids[{g}]", f"the state read (entry {read_col}) is the null block")
-    written = table[write : write + num_drafts + 1]
-    if (written == NULL_BLOCK_ID).any():
-        entry = write + int(np.flatnonzero(written == NULL_BLOCK_ID)[0])
+    """12: no state the step reads or writes, for any verdict (counts read.lowest .. c), is the null block, which
+    every request would share."""
+    for count in range(read.lowest, c + 1):
+        read_col = read.column(group.block_size, count)
+        if read_col != NO_STATE and table[read_col] == NULL_BLOCK_ID:
+            raise NullBlockError(req_id, f"block_ids[{g}]", f"the state read (entry {read_col}) is the null block")
+    blocks = table[written.start : written.stop]
+    if (blocks == NULL_BLOCK_ID).any():
+        entry = written.start + int(np.flatnonzero(blocks == NULL_BLOCK_ID)[0])
         raise NullBlockError(req_id, f"block_ids[{g}]", f"the state written to entry {entry} is the null block")
 
 
-def written_blocks(table: np.ndarray, write: int, num_drafts: int) -> np.ndarray:
-    """13: the state blocks a step writes (no two requests may share one)."""
-    return table[write : write + num_drafts + 1].astype(np.int64)
+def written_blocks(table: np.ndarray, written: range) -> np.ndarray:
+    """13: the state blocks a step may write, for any verdict (no two requests may share one)."""
+    return table[written.start : written.stop].astype(np.int64)
 
 
 # ---- the plan and the batch ---------------------------------------------------------------------------
@@ -192,15 +238,17 @@ class MambaSteps:
     """StepPlan.mamba: the reads of the scheduled requests, in scheduler order."""
 
     bases: np.ndarray  # [n] int64 scheduler order: StateRead.base
-    num_accepted: np.ndarray  # [n] int64 scheduler order
-    is_prefilling: np.ndarray  # [n] bool scheduler order
+    firsts: np.ndarray  # [n] int64 scheduler order: StateRead.first (num_accepted_tokens = num_computed - first)
+    # [n] bool scheduler order; the same for the count sent and the corrected one: a row with unverified drafts
+    # sampled, so both counts are past its prompt
+    is_prefilling: np.ndarray
 
 
 def plan_fields(reads: list[StateRead], num_computed: np.ndarray) -> MambaSteps:
     """`reads` and `num_computed` [n] in scheduler order."""
     return MambaSteps(
         bases=np.array([r.base for r in reads], np.int64),
-        num_accepted=np.array([r.num_accepted for r in reads], np.int64),
+        firsts=np.array([r.first for r in reads], np.int64),
         is_prefilling=num_computed < np.array([r.prompt_len for r in reads], np.int64),
     )
 
@@ -226,11 +274,13 @@ def state_indices(
     block_tables: list[np.ndarray],  # per group: [R, max_blocks_per_req(g)] req_state_idx -> block ids
     index_mapping: np.ndarray,  # [num_reqs] batch_idx -> req_state_idx
     seq_lens: np.ndarray,  # [num_reqs] batch order
+    num_computed: np.ndarray,  # [num_reqs] batch order: the count the step runs at (async: corrected, rule 2)
     num_drafts: np.ndarray,  # [num_reqs] batch order
     steps: MambaSteps,  # arrays in batch order (`batch_steps`)
 ) -> StateIndices:
     writes: list[np.ndarray | None] = []
     prevs: list[np.ndarray | None] = []
+    accepted = num_computed.astype(np.int64) - steps.firsts  # [num_reqs] num_accepted_tokens (1 for a fresh row)
     for g, group in enumerate(config.kv_groups):
         if group.kind != MAMBA:
             writes.append(None)
@@ -244,17 +294,17 @@ def state_indices(
         picked = table[index_mapping[:, None], np.where(used, cols, 0)]
         writes.append(np.where(used, picked, NO_STATE).astype(INDEX_DTYPE))
         has_prior = steps.bases >= 0  # [num_reqs]
-        read = np.where(has_prior, steps.bases // group.block_size + steps.num_accepted - 1, 0)  # [num_reqs]
+        read = np.where(has_prior, steps.bases // group.block_size + accepted - 1, 0)  # [num_reqs]
         prevs.append(np.where(has_prior, table[index_mapping, read], NO_STATE).astype(INDEX_DTYPE))
-    accepted = steps.num_accepted.astype(INDEX_DTYPE) if keeps_speculative_states(config) else None
-    return StateIndices(tuple(writes), tuple(prevs), steps.is_prefilling.copy(), accepted)
+    kept = accepted.astype(INDEX_DTYPE) if keeps_speculative_states(config) else None
+    return StateIndices(tuple(writes), tuple(prevs), steps.is_prefilling.copy(), kept)
 
 
 def batch_steps(steps: MambaSteps, order: np.ndarray | None) -> MambaSteps:
     """The plan's arrays in batch order (`order` [num_reqs] batch_idx -> scheduler index; None: the same)."""
     if order is None:
         return steps
-    return MambaSteps(steps.bases[order], steps.num_accepted[order], steps.is_prefilling[order])
+    return MambaSteps(steps.bases[order], steps.firsts[order], steps.is_prefilling[order])
 
 
 class Mamba(Feature):
@@ -283,29 +333,36 @@ class Mamba(Feature):
         rows = self.rows
         self.reads = {}
         for s in scheduled:
+            c = s.num_computed
             row = state.row_of.get(s.req_id)
             if row is None:  # a new request (check 3): its known tokens are its prompt; the row's record is not its own
-                self.reads[s.req_id] = state_read(s.num_computed, s.known_tokens, True, 0, 0, self.min_block)
+                self.reads[s.req_id] = state_read(c, c, s.known_tokens, True, 0, 0, self.min_block)
                 continue
-            last = int(rows.last_seq_lens[row]), int(rows.last_num_drafts[row])
+            last = rows.last_seq_len(state, row), int(rows.last_num_drafts[row])
             fresh = s.fresh_tables
-            self.reads[s.req_id] = state_read(s.num_computed, int(rows.prompt_lens[row]), fresh, *last, self.min_block)
+            lowest = lowest_start(state, s.req_id, c, s.resumed)  # rule 2 corrects no fresh row's count
+            prompt_len = int(rows.prompt_lens[row])
+            self.reads[s.req_id] = state_read(c, lowest, prompt_len, fresh, *last, self.min_block)
 
     def plan(self, state: PoolState, sched: SchedulerOutput, new_rows: np.ndarray, plan: StepPlan) -> MambaSteps:
         return plan_fields([self.reads[r] for r in plan.req_ids], plan.num_computed)  # scheduler order
 
     def commit(self, state: PoolState, plan: StepPlan) -> None:
-        seq_lens = plan.num_computed + plan.num_scheduled
-        self.rows.commit(plan.freed_rows, plan.new_rows, plan.prompt_lens, plan.rows, seq_lens, plan.num_drafts)
+        self.rows.commit(plan.freed_rows, plan.new_rows, plan.prompt_lens, plan.rows, plan.num_scheduled,
+                         plan.num_drafts)  # fmt: skip
 
     def prepare(self, state: PoolState, plan: StepPlan, batch: BatchInputs, order: np.ndarray | None) -> StateIndices:
         steps: MambaSteps = plan.features[self.name]
         drafts = np.zeros(plan.rows.size, np.int64) if plan.num_drafts is None else plan.num_drafts
+        # the count the step runs at: the batch's, corrected by the drafts the last record rejected (async rule 2),
+        # never the plan's, which is the count the scheduler sent
+        num_computed = np.asarray(batch.seq_lens) - np.asarray(batch.num_scheduled_tokens)
         return state_indices(
             self.config,
             state.block_tables,
             np.asarray(batch.index_mapping),
             np.asarray(batch.seq_lens),
+            num_computed,
             in_batch_order(drafts, order),
             batch_steps(steps, order),
         )
@@ -332,14 +389,18 @@ class MambaRules(NoTokenKV):
     def check_present(self, state: PoolState, s: ScheduledRequest, g: int) -> None:
         group = state.config.kv_groups[g]
         write = write_column(s.num_computed, s.num_scheduled, group.block_size)
-        check_present(s.req_id, g, group, s.tables[g], self.feature.reads[s.req_id], write, s.num_drafts)
+        read = self.feature.reads[s.req_id]
+        check_present(s.req_id, g, group, s.tables[g], read, s.num_computed, write, s.num_drafts)
 
     def check_not_null(self, state: PoolState, s: ScheduledRequest, g: int) -> None:
         group = state.config.kv_groups[g]
-        write = write_column(s.num_computed, s.num_scheduled, group.block_size)
-        check_not_null(s.req_id, g, group, s.tables[g], self.feature.reads[s.req_id], write, s.num_drafts)
+        read = self.feature.reads[s.req_id]
+        written = written_columns(read, s.num_computed, s.num_scheduled, group.block_size, s.num_drafts)
+        check_not_null(s.req_id, g, group, s.tables[g], read, s.num_computed, written)
 
     def written(self, state: PoolState, s: ScheduledRequest, g: int) -> np.ndarray:
-        """A state block, not a slot: no two requests may write one."""
-        write = write_column(s.num_computed, s.num_scheduled, state.config.kv_groups[g].block_size)
-        return written_blocks(s.tables[g], write, s.num_drafts)
+        """State blocks, not slots: no two requests may write one, whatever the verdicts."""
+        read = self.feature.reads[s.req_id]
+        block_size = state.config.kv_groups[g].block_size
+        return written_blocks(s.tables[g], written_columns(read, s.num_computed, s.num_scheduled, block_size,
+                                                           s.num_drafts))  # fmt: skip

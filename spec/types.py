@@ -128,9 +128,6 @@ class WorkerConfig:
         check_encoder_config(self.kv_groups, self.max_encoder_len)
         if not isinstance(self.async_scheduling, bool):
             raise ValueError(f"WorkerConfig.async_scheduling must be a bool, got {self.async_scheduling!r}")
-        if self.async_scheduling and any(g.kind == "mamba" for g in self.kv_groups):  # spec/async_steps.py
-            raise ValueError("WorkerConfig.async_scheduling with a mamba group is not modelled: its state index "
-                             "depends on the count the device corrects")  # fmt: skip
         if not isinstance(self.one_block_pool, bool):
             raise ValueError(f"WorkerConfig.one_block_pool must be a bool, got {self.one_block_pool!r}")
         if self.one_block_pool and len({getattr(g, "num_blocks", None) for g in self.kv_groups}) > 1:

@@ -578,6 +578,37 @@ MUTANTS: tuple[Mutant, ...] = (
         (MAMBA, TINY_HYBRID),
     ),
     Mutant(
+        "mamba-async-read-from-the-optimistic-count",
+        "mamba under async: the state read and num_accepted_tokens follow the count corrected by rejected drafts",
+        "spec/mamba.py",
+        "num_computed = np.asarray(batch.seq_lens) - np.asarray(batch.num_scheduled_tokens)",
+        "num_computed = in_batch_order(plan.num_computed, order)",  # the count the scheduler sent
+        (
+            f"{ASYNC}::test_a_mamba_state_is_read_from_the_corrected_count",
+            f"{ASYNC}::test_async_hybrid_runs_agree_with_spec_on_every_step",
+        ),
+    ),
+    Mutant(
+        "mamba-async-read-from-the-optimistic-count-host-mode",
+        "mamba under async: the state read and num_accepted_tokens follow the count corrected by rejected drafts",
+        "fast/mamba.py",
+        "            computed = seq_lens.long() - num_scheduled.long()\n",
+        "            computed = torch.from_numpy(in_batch_order(plan.num_computed, order))\n",  # the host's plan
+        (
+            f"{ASYNC}::test_a_mamba_state_is_read_from_the_corrected_count",
+            f"{ASYNC}::test_async_hybrid_runs_agree_with_spec_on_every_step",
+        ),
+    ),
+    Mutant(
+        "mamba-async-state-indices-from-host-seq-lens-triton",
+        "mamba under async: the state read and num_accepted_tokens follow the count corrected by rejected drafts",
+        "fast/mamba.py",
+        "mamba_state_indices_triton(table, batch.index_mapping, seq_lens, num_scheduled, reads,",
+        "mamba_state_indices_triton(table, batch.index_mapping, upload(in_batch_order(plan.num_computed"
+        " + plan.num_scheduled, order).astype(np.int32), dev.device), num_scheduled, reads,",  # the host's lengths
+        (f"{ASYNC}::test_a_mamba_state_is_read_from_the_corrected_count",),
+    ),
+    Mutant(
         "mamba-table-without-speculative-blocks",
         "mamba: the table's width holds the speculative state blocks (vllm-ascend PR #11466)",
         "spec/types.py",

@@ -132,3 +132,26 @@ def test_on_cuda_drafts_proposed_on_the_device_pass_sync_debug_mode_error() -> N
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert counted == {"record": [], "step": [], "record_drafts": [], "step_ahead": ["numpy"] * 5}
+
+
+def test_a_hybrid_step_sent_ahead_of_its_verdict_waits_for_nothing() -> None:
+    # Mamba under async (spec/mamba.py): the state read of the step after a drafting one comes from the device's
+    # corrected count, so the Triton path (here under the interpreter) reads nothing back to compute it
+    mamba = KVCacheGroup(4, 16, kind="mamba", num_speculative_blocks=2)
+    config = WorkerConfig(4, 32, 32, 100, (KVCacheGroup(4, 16), mamba), async_scheduling=True)
+    with interpret(True):
+        pool = fast.RequestStatePool(config)
+        first = SchedulerOutput(new_requests=(NewRequest("a", (1, 2, 3), ((3, 4), (5, 6, 7, 8))),),
+                                num_scheduled_tokens={"a": 3})  # fmt: skip
+        pool.apply(first)
+        pool.record_sampled(pool.prepare(first), torch.tensor([7]))
+        drafting = SchedulerOutput(cached_requests=(CachedRequest("a", 3),), num_scheduled_tokens={"a": 3},
+                                   scheduled_spec_decode_tokens={"a": (5, 6)})  # fmt: skip
+        pool.apply(drafting)
+        pool.record_sampled(pool.prepare(drafting), torch.tensor([[5, 9, -1]]))
+        ahead = SchedulerOutput(cached_requests=(CachedRequest("a", 6),), num_scheduled_tokens={"a": 1})
+        pool.apply(ahead)  # reads the prefill's record, a step old (rule 6): the drafting record stays unread
+        with HostSyncCounter() as step:
+            batch = pool.prepare(ahead)
+    assert step.calls == []
+    assert batch.mamba_prev_state_indices[1].tolist() == [7]  # draft 5 kept: the state after position 4, entry 2

@@ -211,7 +211,7 @@ def mamba_state_indices_launch(num_speculative_blocks: int) -> Launch:
 
     index = functools.partial(torch.empty, dtype=torch.int32, device="meta")
     with captured_launches() as launches:
-        mamba_state_indices_triton(index((16, 10)), index(4), index(4), torch.empty((3, 4), dtype=torch.int64,
+        mamba_state_indices_triton(index((16, 10)), index(4), index(4), index(4), torch.empty((4, 4), dtype=torch.int64,
                                    device="meta"), 64, num_speculative_blocks)  # fmt: skip
     return _only(launches)
 
