@@ -86,20 +86,21 @@ def test_every_rank_matches_spec_and_merges_to_single_rank(
     assert steps >= min(6, max_steps), "the workload ran too few steps to mean anything"
 
 
-@pytest.mark.parametrize(("world_size", "interleave", "seed"), [(2, 1, 4), (2, 2, 5)])
+@pytest.mark.parametrize(("world_size", "interleave", "seed", "on_device"), [(2, 1, 4, False), (2, 2, 5, True)])
 def test_under_async_scheduling_each_rank_reads_the_corrected_counts(
-    backend: BackendHandle, world_size: int, interleave: int, seed: int
+    backend: BackendHandle, world_size: int, interleave: int, seed: int, on_device: bool
 ) -> None:
     """vllm-ascend #10032: with async scheduling and drafts, each rank's slots and local lengths come from the
     counts corrected by the rejected drafts (spec/async_steps.py rule 2), never from the scheduler's optimistic
     ones: every rank of the backend's batch equals spec's and merges to spec's single-rank attention, on steps
-    the scheduler sent counting drafts the sampler had rejected."""
+    the scheduler sent counting drafts the sampler had rejected; drafts sent by the scheduler, or proposed on the
+    device (spec/async_steps.py rule 8), back to back."""
     functions = cp_functions(backend)
     if functions is None:
         pytest.skip(f"{backend.name} offers no context_parallel functions (an optional part of a backend)")
     config = dataclasses.replace(cp_worker_config(world_size, interleave), async_scheduling=True)
     workload = make_workload(seed, config, num_requests=3, max_arrival_step=2, max_new_tokens=10)
-    knobs = dataclasses.replace(CP_KNOBS, spec_tokens=2, acceptance_rate=0.3)
+    knobs = dataclasses.replace(CP_KNOBS, spec_tokens=2, acceptance_rate=0.3, drafts_on_device=on_device)
     sched = ReferenceScheduler(config, workload, knobs, seed=seed)
     pool, spec_pool = backend.make_pool(config), spec.RequestStatePool(config)
     qkv = TinyQKV(config.vocab_size, seed)
@@ -127,8 +128,15 @@ def test_under_async_scheduling_each_rank_reads_the_corrected_counts(
         targets = {r: int(rng.integers(config.vocab_size)) for r in takes}
         kept = sched.rejection_step(out, targets)
         ids = pad_accepted([list(kept.get(r, (0,))) for r in spec_batch.req_ids])
-        pool.record_sampled(batch, backend.asarray(ids))
-        spec_pool.record_sampled(spec_batch, ids)
+        if on_device:  # the drafter's ids for the next step's placeholders
+            proposals = sched.device_proposals(out)
+            proposed = np.array([proposals.get(r, (0, 0)) for r in spec_batch.req_ids], np.int64).reshape(-1, 2)
+            pool.record_sampled(batch, backend.asarray(ids), backend.asarray(proposed))
+            spec_pool.record_sampled(spec_batch, ids, proposed)
+        else:
+            pool.record_sampled(batch, backend.asarray(ids))
+            spec_pool.record_sampled(spec_batch, ids)
         sched.update(out, kept)
         steps += 1
     assert sched.stats.optimistic_counts > 0, "no step was sent with an optimistic count"
+    assert not on_device or sched.stats.drafts_after_unverified > 0, "no drafts right after unverified drafts"
