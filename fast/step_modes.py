@@ -197,8 +197,8 @@ class Ahead:
     ) -> None:
         """What the host can check without the values now, the rest on the device (in host mode, NumPy)."""
         sampled = self._integers(sampled_token_ids, "sampled_token_ids")
-        shape = tuple(sampled.shape)
-        if len(shape) not in (1, 2) or shape[0] != len(req_ids):  # spec's shape errors (the values are not read)
+        if not 1 <= sampled.ndim <= 2 or sampled.shape[0] != len(req_ids):  # spec's shape errors (values unread)
+            shape = tuple(sampled.shape)
             accepted_rows(np.empty(shape if len(shape) != 2 else (shape[0], 0), np.int64), len(req_ids))
         proposed = None
         if next_draft_ids is not None:  # spec.drafts.proposed_ids's checks, the values not read (rule 8)
@@ -219,8 +219,9 @@ class Ahead:
             if dtype not in _INTEGER_DTYPES and ids.numel():  # one set lookup: the usual case costs least
                 detail = f"dtype {str(dtype).removeprefix('torch.')}: needs integer ids"
                 raise InconsistentSchedulerOutputError(None, field, detail)
-            on_device = ids.to("cpu" if host_mode else self.dev.device)  # host mode: a view of CPU ids
-            return on_device.numpy() if host_mode else on_device
+            if host_mode:  # a view of CPU ids
+                return (ids if ids.is_cpu else ids.cpu()).numpy()
+            return ids.to(self.dev.device)
         array = np.asarray(ids)
         if array.size and array.dtype.kind not in "iu":
             raise InconsistentSchedulerOutputError(None, field, f"dtype {array.dtype}: needs integer ids")
