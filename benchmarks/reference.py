@@ -17,7 +17,13 @@ def started(provider: Provider, stream: StepStream) -> Any:
     sched = stream.first()
     pool.apply(sched)
     batch = pool.prepare(sched)
-    pool.record_sampled(batch, provider.asarray(stream.sampled(batch.num_reqs)))
+    proposed = stream.next_drafts(batch.num_reqs)  # the drafter's ids for the next step's placeholders, or None
+    sampled = stream.sampled(batch.num_reqs)
+    ids = provider.asarray(sampled[:, :1] if stream.workload.drafts else sampled)  # the first step drafts nothing
+    if proposed is None:
+        pool.record_sampled(batch, ids)
+    else:
+        pool.record_sampled(batch, ids, provider.asarray(proposed))
     return pool
 
 

@@ -17,13 +17,13 @@ from benchmarks import providers
 from benchmarks.gpu_probe import count_launches
 from benchmarks.harness import param, record, record_fallbacks, run_stateful
 from benchmarks.reference import reference, started
-from benchmarks.workloads import HOST_WORKLOADS, StepStream, Workload
+from benchmarks.workloads import ASYNC_WORKLOADS, HOST_WORKLOADS, StepStream, Workload
 from spec.batch import batch_order
 from spec.flatten import flatten
 
 
-def _cases(names: tuple[str, ...]) -> list[Any]:
-    return [param(w, p) for w in HOST_WORKLOADS for p in names]
+def _cases(names: tuple[str, ...], workloads: tuple[Workload, ...] = HOST_WORKLOADS) -> list[Any]:
+    return [param(w, p) for w in workloads for p in names]
 
 
 def _batch_bytes(batch: spec.BatchInputs) -> int:
@@ -146,10 +146,11 @@ def test_host_step_interleaved(benchmark: Any, bench_budget: float, workload: Wo
     _interleaved(benchmark, bench_budget, workload, provider_name, "numpy-vectorised", "host_step_interleaved", what)
 
 
-@pytest.mark.parametrize(("workload", "provider_name"), _cases(("fast-async",)))
+@pytest.mark.parametrize(("workload", "provider_name"), _cases(("fast-async",), ASYNC_WORKLOADS))
 def test_async_step_interleaved(benchmark: Any, bench_budget: float, workload: Workload, provider_name: str) -> None:
     """The cost of async scheduling (spec/async_steps.py): fast's async host step, rounds interleaved with fast's
-    synchronous one on the same workload (no drafts: what is timed is the device-side record and its bookkeeping)."""
+    synchronous one on the same workload: the device-side record and its bookkeeping, and on the drafting workload
+    drafts proposed on the device (rule 8) against drafts the scheduler sends."""
     what = "apply + prepare + record_sampled under async scheduling, rounds interleaved with fast's synchronous step"
     _interleaved(benchmark, bench_budget, workload, provider_name, "fast", "async_step_interleaved", what)
 
@@ -159,15 +160,19 @@ def _interleaved(
 ) -> None:
     """`provider_name`'s host step timed, with one step of `peer_name` between its rounds, timed by the same clock."""
     fast_provider, peer_provider = providers.get(provider_name), providers.get(peer_name)
-    fast_stream, peer_stream = StepStream(workload), StepStream(workload)
+    # async scheduling's drafts are proposed on the device (rule 8): placeholders in the outputs, the ids recorded
+    fast_stream = StepStream(workload, on_device=provider_name.endswith("-async"))
+    peer_stream = StepStream(workload, on_device=peer_name.endswith("-async"))
     fast_pool, peer_pool = started(fast_provider, fast_stream), started(peer_provider, peer_stream)
     fast_sampled = fast_provider.asarray(fast_stream.sampled(workload.num_reqs))
     peer_sampled = peer_provider.asarray(peer_stream.sampled(workload.num_reqs))
+    proposed = fast_stream.next_drafts(workload.num_reqs)
+    fast_extra = () if proposed is None else (fast_provider.asarray(proposed),)
     timer, peer_times = benchmark._timer, []
 
     def target(sched: spec.SchedulerOutput) -> None:
         fast_pool.apply(sched)
-        fast_pool.record_sampled(fast_pool.prepare(sched), fast_sampled)
+        fast_pool.record_sampled(fast_pool.prepare(sched), fast_sampled, *fast_extra)
 
     def setup() -> tuple[Any, ...]:
         sched = peer_stream.next()

@@ -19,7 +19,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from spec.types import CachedRequest, CachedRequestColumns, KVCacheGroup, NewRequest, SchedulerOutput, WorkerConfig
+from spec.types import (
+    PLACEHOLDER_TOKEN_ID,
+    CachedRequest,
+    CachedRequestColumns,
+    KVCacheGroup,
+    NewRequest,
+    SchedulerOutput,
+    WorkerConfig,
+)
 
 MAX_STREAM_STEPS = 512  # decode steps a stream can take before a request would outgrow max_model_len
 VOCAB_SIZE = 32_000
@@ -37,6 +45,7 @@ class Workload:
     min_context: int = 1024
     max_context: int = 4096
     objects: bool = False  # cached requests as CachedRequest objects instead of CachedRequestColumns
+    drafts: int = 0  # drafts per decode per step, every one accepted (decode workloads only)
 
     @property
     def num_reqs(self) -> int:
@@ -44,7 +53,7 @@ class Workload:
 
     @property
     def num_tokens(self) -> int:
-        return self.num_decodes + self.num_prefills * self.prefill_len
+        return self.num_decodes * (1 + self.drafts) + self.num_prefills * self.prefill_len
 
     @property
     def kind(self) -> str:
@@ -78,6 +87,10 @@ HOST_WORKLOADS = (
     Workload("mixed-256+4x512", 256, 4, 512),
     Workload("mixed-200+8x2048", 200, 8, 2048),  # decodes beside several whole long prompts
 )
+
+# async scheduling's cost beside the synchronous step: the host workloads, and decodes that draft every step (all
+# drafts accepted, so the async step counts what the synchronous one does; drafts proposed on the device there)
+ASYNC_WORKLOADS = (*HOST_WORKLOADS, Workload("decode-64-drafts3", 64, drafts=3, quick=True))
 
 KERNEL_WORKLOADS = (  # write_kv and paged_attention
     decode(8, quick=True),
@@ -119,7 +132,7 @@ def _layout(w: Workload) -> _Layout:
     """Everything about a workload that does not change step to step (cached: prompts are large)."""
     rng = np.random.default_rng(SEED)
     contexts = tuple(int(c) for c in rng.integers(w.min_context, w.max_context + 1, w.num_decodes))
-    max_model_len = max(w.max_context, w.prefill_len) + MAX_STREAM_STEPS + 1
+    max_model_len = max(w.max_context, w.prefill_len) + MAX_STREAM_STEPS * (1 + w.drafts) + 1
     groups, decode_blocks, prefill_blocks = [], [], []
     for block_size, window in w.groups():
         per_req = math.ceil(max_model_len / block_size)
@@ -169,14 +182,22 @@ def _prefills(w: Workload, prefill_blocks: list[np.ndarray] | tuple[np.ndarray, 
 
 
 class StepStream:
-    """first() then next(), next(), ...: the scheduler outputs of consecutive steps of one workload."""
+    """first() then next(), next(), ...: the scheduler outputs of consecutive steps of one workload.
 
-    def __init__(self, workload: Workload) -> None:
+    A drafting workload's decodes carry the same drafts every step, all accepted; `on_device` sends them as
+    placeholders (async scheduling's drafts proposed on the device, spec/async_steps.py rule 8), and each record
+    then hands the pool the drafter's ids (`next_drafts`)."""
+
+    def __init__(self, workload: Workload, on_device: bool = False) -> None:
+        if workload.drafts and workload.num_prefills:
+            raise ValueError(f"{workload.name}: drafting workloads are decodes only (every row keeps the same ids)")
         self.workload = workload
         self.layout = _layout(workload)
         self.config = self.layout.config
         self.step = 0
+        self.on_device = on_device and workload.drafts > 0
         self._sampled = np.random.default_rng(SEED).integers(0, VOCAB_SIZE, workload.num_reqs, dtype=np.int64)
+        self._drafts = tuple(int(t) for t in self._sampled[1 : 1 + workload.drafts])  # every decode's drafts
 
     def first(self) -> SchedulerOutput:
         self.step = 0
@@ -189,22 +210,31 @@ class StepStream:
             raise RuntimeError(f"{w.name}: more than {MAX_STREAM_STEPS} steps; raise MAX_STREAM_STEPS")
         req_ids, computed, added, scheduled = [], [], [], {}
         for i, ctx in enumerate(layout.contexts):
-            position = ctx - 1 + k  # the token after the one sampled last step
+            position = ctx - 1 + 1 + (k - 1) * (1 + w.drafts)  # the token after the one sampled last step
+            reach = range(position, position + 1 + w.drafts)  # it and this step's drafts
             new_blocks = [
-                (int(blocks[i, position // bs]),) if position % bs == 0 else ()
+                tuple(int(blocks[i, p // bs]) for p in reach if p % bs == 0)
                 for blocks, (bs, _) in zip(layout.decode_blocks, w.groups(), strict=True)
             ]
             req_ids.append(f"d{i}")
             computed.append(position)
             added.append(tuple(new_blocks) if any(new_blocks) else None)
-            scheduled[f"d{i}"] = 1
+            scheduled[f"d{i}"] = 1 + w.drafts
         cached: tuple[CachedRequest, ...] | CachedRequestColumns = CachedRequestColumns(req_ids, computed, added)
         if w.objects:
             cached = tuple(cached)
         new = _prefills(w, layout.prefill_blocks, k)
         scheduled.update({r.req_id: w.prefill_len for r in new})
         finished = frozenset(f"p{k - 1}.{i}" for i in range(w.num_prefills))
-        return SchedulerOutput(tuple(new), cached, scheduled, finished)
+        drafts = (PLACEHOLDER_TOKEN_ID,) * w.drafts if self.on_device else self._drafts
+        spec_decode = {f"d{i}": drafts for i in range(w.num_decodes)} if w.drafts else {}
+        return SchedulerOutput(tuple(new), cached, scheduled, finished, spec_decode)
 
-    def sampled(self, num_reqs: int) -> np.ndarray:  # [num_reqs] int64, what the model "samples"
-        return self._sampled[:num_reqs]
+    def sampled(self, num_reqs: int) -> np.ndarray:  # [num_reqs] or [num_reqs, 1 + drafts] int64: what is kept
+        if not self.workload.drafts:
+            return self._sampled[:num_reqs]
+        kept = (*self._drafts, int(self._sampled[0]))  # every draft accepted, then the bonus token
+        return np.tile(np.array(kept, np.int64), (num_reqs, 1))
+
+    def next_drafts(self, num_reqs: int) -> np.ndarray | None:  # [num_reqs, drafts] the drafter's ids, or None
+        return np.tile(np.array(self._drafts, np.int64), (num_reqs, 1)) if self.on_device else None

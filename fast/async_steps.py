@@ -133,8 +133,9 @@ class AheadState:
         store = self.dev.token_ids_np
         if store is None:
             raise RuntimeError("host mode keeps the token store in NumPy (fast/state.py), but this pool has none")
-        which, within = ranges(k)
-        return store[rows[which], self._known_np[rows[which]] + within].astype(np.int64)
+        out = np.empty(int(k.sum()), np.int64)
+        _gather_stored(rows, k, self._known_np, store, out)
+        return out
 
     def _stored_drafts_device(self, rows: np.ndarray, k: np.ndarray) -> torch.Tensor:
         """_stored_drafts_host on the device: [sum(k)] int64, read without a host sync."""
@@ -211,14 +212,13 @@ class AheadState:
     # ---- rule 8 at the apply ------------------------------------------------------------------------
     def take_proposals(self, rows: np.ndarray, k: np.ndarray) -> None:
         """After the correction: each row's first k proposals into the token store at the device's count."""
-        which, within = ranges(k)
         if self.host_mode:
             store = self.dev.token_ids_np
             if store is None:
                 raise RuntimeError("host mode keeps the token store in NumPy (fast/state.py), but this pool has none")
-            at = rows[which]
-            store[at, self._known_np[at] + within] = self._proposals_np[at, within]
+            _copy_proposals(rows, k, self._known_np, self._proposals_np, store)
             return
+        which, within = ranges(k)
         index = upload(np.stack([rows[which], within]), self.dev.device)  # [2, sum(k)] row, draft
         row_index, draft = index[0], index[1]
         values = self.proposals[row_index, draft].to(torch.int32)
@@ -478,3 +478,81 @@ def _correct(  # pragma: no cover - compiled; tested through apply against spec
         computed[row] -= rejected[row]
     rejected[:] = 0
     return continuing
+
+
+@njit(cache=True, nogil=True)
+def async_drafts_hold(  # pragma: no cover - compiled; tested through apply against spec's plan_step
+    rows: np.ndarray,  # [n] int64 the plan's req_state_idx, scheduler order
+    num_drafts: np.ndarray,  # [n] int64 drafts of each (empty: none)
+    draft_ids: np.ndarray,  # [sum(num_drafts)] scheduler order
+    table_rows: np.ndarray,  # [t] int64 the rows whose group-0 table the plan writes
+    replaced: np.ndarray,  # [t] bool: replaced (a new or resumed request)
+    num_unverified: np.ndarray,  # [R] int64 drafts whose verdict the host has not read
+    num_proposed: np.ndarray,  # [R] int64 the drafter's ids each row keeps
+) -> bool:
+    """spec/async_steps.py's rules 5, 7 and 8 hold for a plan: a new or resumed request's row has no unread verdict
+    (7, for both: the bulk planner leaves either to spec then) and no placeholders; placeholders take no more than
+    the row's proposals (8); drafts sent with their ids follow no unread verdict (5)."""
+    fresh = np.zeros(num_unverified.shape[0], np.bool_)
+    for i in range(table_rows.shape[0]):
+        if replaced[i]:
+            fresh[table_rows[i]] = True
+            if num_unverified[table_rows[i]]:
+                return False
+    at = 0
+    for i in range(num_drafts.shape[0]):
+        k = num_drafts[i]
+        if k:
+            row = rows[i]
+            if draft_ids[at] == PLACEHOLDER_TOKEN_ID:
+                if fresh[row] or num_proposed[row] < k:
+                    return False
+            elif num_unverified[row]:
+                return False
+        at += k
+    return True
+
+
+@njit(cache=True, nogil=True)
+def _copy_proposals(  # pragma: no cover - compiled; tested through apply against spec
+    rows: np.ndarray,  # [p] int64 req_state_idx of the rows whose drafts are placeholders
+    k: np.ndarray,  # [p] int64 their drafts
+    known: np.ndarray,  # [R] int64 the device's exact count of known tokens
+    proposals: np.ndarray,  # [R, P] int64 the drafter's ids
+    store: np.ndarray,  # [R, capacity] int32 the token store, written past each row's known tokens
+) -> None:
+    for i in range(rows.shape[0]):
+        row = rows[i]
+        for j in range(k[i]):
+            store[row, known[row] + j] = proposals[row, j]
+
+
+@njit(cache=True, nogil=True)
+def _gather_stored(  # pragma: no cover - compiled; tested through prepare and record_sampled against spec
+    rows: np.ndarray,  # [p] int64 req_state_idx
+    k: np.ndarray,  # [p] int64 drafts of each
+    known: np.ndarray,  # [R] int64 the device's exact count of known tokens
+    store: np.ndarray,  # [R, capacity] int32 the token store
+    out: np.ndarray,  # [sum(k)] int64 out: each row's k drafts, end to end
+) -> None:
+    at = 0
+    for i in range(rows.shape[0]):
+        row = rows[i]
+        for j in range(k[i]):
+            out[at + j] = store[row, known[row] + j]
+        at += k[i]
+
+
+@njit(cache=True, nogil=True)
+def placeholder_runs(  # pragma: no cover - compiled; tested through apply and prepare against spec
+    num_drafts: np.ndarray,  # [n] int64 scheduler order
+    draft_ids: np.ndarray,  # [sum(num_drafts)] scheduler order
+    on_device: np.ndarray,  # [n] bool out: the request's drafts are placeholders (never a mix: validation)
+) -> bool:
+    """Which requests' drafts are placeholders (rule 8); returns whether any is."""
+    at, found = 0, False
+    for i in range(num_drafts.shape[0]):
+        on_device[i] = num_drafts[i] > 0 and draft_ids[at] == PLACEHOLDER_TOKEN_ID
+        found = found or on_device[i]
+        at += num_drafts[i]
+    return found

@@ -17,7 +17,7 @@ import numpy as np
 from numba import njit
 
 from spec.state import PoolState
-from spec.types import CachedRequest, CachedRequestColumns
+from spec.types import PLACEHOLDER_TOKEN_ID, CachedRequest, CachedRequestColumns
 
 SEQUENCES = (tuple, list)
 EMPTY = np.zeros(0, np.int64)
@@ -33,6 +33,7 @@ def read_drafts(
     drafts: Any,  # sched.scheduled_spec_decode_tokens
     keys: list[str],  # [n] scheduler order, distinct str
     vocab_size: int,
+    placeholders: bool = False,  # async scheduling: a request's drafts may all be PLACEHOLDER_TOKEN_ID (rule 8)
 ) -> tuple[np.ndarray | None, np.ndarray] | None:
     """Checks 1 and 6 of the drafts: (num_drafts [n] scheduler order or None when nobody drafts, draft ids int32)."""
     if type(drafts) is not dict:
@@ -56,7 +57,7 @@ def read_drafts(
             return None
     num_drafts = np.zeros(len(keys), np.int64)  # [n] scheduler order
     ordered = np.empty_like(ids)  # [sum] the ids in the scheduler's order
-    if not _drafts_in_order(at, lengths, ids, vocab_size, num_drafts, ordered):
+    if not _drafts_in_order(at, lengths, ids, vocab_size, placeholders, num_drafts, ordered):
         return None
     return num_drafts, ordered
 
@@ -76,17 +77,24 @@ def _drafts_in_order(  # pragma: no cover - compiled; tested through plan_bulk_s
     lengths: np.ndarray,  # [m] int64 its drafts
     ids: np.ndarray,  # [sum(lengths)] int32 the drafts as listed
     vocab_size: int,
+    placeholders: bool,  # a request's drafts may all be PLACEHOLDER_TOKEN_ID (async rule 8)
     num_drafts: np.ndarray,  # [n] int64 out (zeros in): drafts of each scheduled request
     ordered: np.ndarray,  # [sum(lengths)] int32 out: the drafts in the scheduler's order
 ) -> bool:
-    """Check 6 of the draft ids (in the vocabulary), and the drafts moved into the scheduler's order."""
-    if not ids_in_range(ids, vocab_size):
+    """Check 6 of the draft ids (in the vocabulary, or all placeholders where allowed), and the drafts moved into
+    the scheduler's order."""
+    in_range = ids_in_range(ids, vocab_size)
+    if not (in_range or placeholders):
         return False
     first = np.empty(at.shape[0], np.int64)  # [m] where each listed request's drafts begin in `ids`
     start = 0
     for i in range(at.shape[0]):
         num_drafts[at[i]] = lengths[i]
         first[i] = start
+        if not in_range:  # each request's drafts: all ids of the vocabulary, or all placeholders
+            own = ids[start : start + lengths[i]]
+            if not ids_in_range(own, vocab_size) and not (own == PLACEHOLDER_TOKEN_ID).all():
+                return False
         start += lengths[i]
     source = np.full(num_drafts.shape[0], -1, np.int64)  # [n] scheduler index -> listed index, -1: not listed
     for i in range(at.shape[0]):

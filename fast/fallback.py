@@ -22,7 +22,7 @@ class Fallback(enum.Enum):
     # shapes the bulk planner does not model
     FEATURE = "a model-kind feature whose rules only plan_step applies (a cross-attention or mamba group)"
     FEATURE_FIELDS = "a new request brings a feature's fields (M-RoPE inputs, an encoder output)"
-    ASYNC_DRAFTS = "async scheduling with drafts, or with drafts whose verdict is unread (spec/async_steps.py 4-5)"
+    ASYNC_DRAFTS = "async scheduling: drafts whose verdict is unread beside a window or mamba group (rule 4)"
     CONTAINERS = "the output's containers or requests are not the plain dict, list, tuple, set and dataclasses"
     CACHED_REQUESTS = "a resumed request, or cached requests' fields of types read one by one"
     REQUEST_KEYS = "no request scheduled, or num_scheduled_tokens' ids and counts not plain str and int"
@@ -38,6 +38,7 @@ class Fallback(enum.Enum):
     TABLES = "checks 9-12 of a cached request's table in some group"
     SHARED_BLOCK = "check 13: a block written by two requests (plan_step compares their slots)"
     ONE_POOL = "check 9 with one block pool: an id held in two groups"
+    ASYNC_RULES = "check 8 under async scheduling: drafts after unread drafts, placeholders, a resumption (5, 7, 8)"
 
     @property
     def failed_check(self) -> bool:
@@ -56,5 +57,6 @@ _CHECKS = frozenset(
         Fallback.TABLES,
         Fallback.SHARED_BLOCK,
         Fallback.ONE_POOL,
+        Fallback.ASYNC_RULES,
     }
 )

@@ -110,7 +110,10 @@ class RequestStatePool:
             self.state, sched, self.features, self.released.tails, self._block_owner
         )
         if isinstance(planned, StepPlan):
-            return planned
+            refused = self.mode.vouch(self.state, planned)  # async scheduling's own checks (fast/step_modes.py)
+            if refused is None:
+                return planned
+            planned = refused
         self.fallbacks[planned] += 1
         return plan_step(self.state, sched, self.features)
 

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from fast.async_steps import AheadState, pending_tokens_into
+from fast.async_steps import AheadState, async_drafts_hold, pending_tokens_into, placeholder_runs
 from fast.fallback import Fallback
 from fast.runtime import upload
 from fast.sampled import record_accepted, record_one_per_row
@@ -21,7 +21,7 @@ from spec.async_steps import forget_unrecorded
 from spec.drafts import accepted_rows, proposed_ids, token_rows
 from spec.errors import InconsistentSchedulerOutputError
 from spec.state import PoolState, StepPlan
-from spec.types import PLACEHOLDER_TOKEN_ID, SchedulerOutput, WorkerConfig
+from spec.types import SchedulerOutput, WorkerConfig
 
 _NO_DRAFTS = np.zeros(0, np.int64)  # a step without drafts: none per row (read as 0), no ids
 _INTEGER_DTYPES = frozenset(
@@ -35,6 +35,10 @@ class StepMode(Protocol):
 
     def bulk_fallback(self, state: PoolState, sched: SchedulerOutput) -> Fallback | None:
         """Why the bulk planner (fast/validate.py) cannot model the step in this mode; None: it can."""
+        ...
+
+    def vouch(self, state: PoolState, plan: StepPlan) -> Fallback | None:
+        """The mode's own checks of a plan the bulk planner made; a Fallback hands the step to spec's plan_step."""
         ...
 
     def after_commit(self, state: PoolState, plan: StepPlan) -> None:
@@ -81,6 +85,9 @@ class InStep:
         return
 
     def bulk_fallback(self, state: PoolState, sched: SchedulerOutput) -> Fallback | None:
+        return None
+
+    def vouch(self, state: PoolState, plan: StepPlan) -> Fallback | None:
         return None
 
     def after_commit(self, state: PoolState, plan: StepPlan) -> None:
@@ -133,6 +140,8 @@ class Ahead:
     def __init__(self, config: WorkerConfig, dev: DeviceState, host_mode: bool, interpreted: bool) -> None:
         self.dev = dev
         self.state = AheadState(config, dev, host_mode, interpreted)
+        # a group whose checks read every count a verdict may give: a window (rule 4) or mamba states
+        self._verdict_reads = any(g.sliding_window is not None or g.kind == "mamba" for g in config.kv_groups)
         self.recorded = False  # the last step applied had its batch recorded: its samples may be pending (rule 3)
         self._pending = np.zeros(0, np.int32)  # [2 num_reqs] rule 3's indices | sources, reused
         self._pending_views: tuple[int, int, dict[str, Any]] | None = None  # on CPU: (n, count, the two views)
@@ -141,11 +150,22 @@ class Ahead:
         self.state.read_due(state, applied_steps)  # the copies of records a step old: the mirror learns verdicts
 
     def bulk_fallback(self, state: PoolState, sched: SchedulerOutput) -> Fallback | None:
-        # spec's plan_step decides what the bulk path does not model: drafts after unverified ones (rule 5), and
-        # windows checked from the lowest start a verdict may give (rule 4)
-        if sched.scheduled_spec_decode_tokens or self.state.unverified:
+        # spec's plan_step decides what the bulk path does not model: windows and mamba states checked for every
+        # count a verdict may give (rule 4; spec/mamba.py)
+        if self.state.unverified and self._verdict_reads:
             return Fallback.ASYNC_DRAFTS
         return None
+
+    def vouch(self, state: PoolState, plan: StepPlan) -> Fallback | None:
+        """Rules 5, 7 and 8 (check 8) on the bulk planner's plan, one compiled pass; spec names any fault."""
+        if plan.num_drafts is None and not self.state.unverified:
+            return None
+        tables = plan.tables[0]
+        drafts = _NO_DRAFTS if plan.num_drafts is None else plan.num_drafts
+        if async_drafts_hold(plan.rows, drafts, plan.draft_ids, tables.rows, tables.replaced,
+                             state.num_unverified_drafts, state.num_proposed):  # fmt: skip
+            return None
+        return Fallback.ASYNC_RULES
 
     def after_commit(self, state: PoolState, plan: StepPlan) -> None:
         if self.state.unverified:  # the step after this one is scheduled knowing the verdicts
@@ -249,10 +269,7 @@ def placeholder_rows(plan: StepPlan) -> tuple[np.ndarray, np.ndarray] | None:
     """([p] req_state_idx, [p] drafts) of the plan's requests whose drafts are placeholders (rule 8), or None."""
     if plan.num_drafts is None:
         return None
-    firsts = np.cumsum(plan.num_drafts) - plan.num_drafts  # [n] each request's first draft in draft_ids
-    drafting = plan.num_drafts > 0
-    on_device = np.zeros(plan.num_drafts.shape[0], bool)
-    on_device[drafting] = plan.draft_ids[firsts[drafting]] == PLACEHOLDER_TOKEN_ID  # never a mix (validation)
-    if not on_device.any():
+    on_device = np.empty(plan.num_drafts.shape[0], np.bool_)
+    if not placeholder_runs(plan.num_drafts, plan.draft_ids, on_device):
         return None
     return plan.rows[on_device], plan.num_drafts[on_device]

@@ -113,7 +113,7 @@ def plan_bulk_step(
         freed_rows, new_rows = freed_new
     else:
         freed_rows = new_rows = EMPTY
-    drafts = read_drafts(sched.scheduled_spec_decode_tokens, keys, config.vocab_size)
+    drafts = read_drafts(sched.scheduled_spec_decode_tokens, keys, config.vocab_size, config.async_scheduling)
     if drafts is None:
         return Fallback.DRAFTS
     num_drafts, draft_ids = drafts
