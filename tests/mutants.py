@@ -112,6 +112,14 @@ MUTANTS: tuple[Mutant, ...] = (
         (ASYNC_FAULTS,),
     ),
     Mutant(
+        "async-bulk-rules-unvouched",
+        "8 UnknownTokenError under async: the bulk planner's plans are held to rules 5, 7 and 8 (fast)",
+        "fast/step_modes.py",
+        "        return Fallback.ASYNC_RULES\n",
+        "        return None\n",
+        (ASYNC, ASYNC_DRAFTS),
+    ),
+    Mutant(
         "async-proposals-of-a-previous-owner",
         "async rule 8: a row's next owner drafts from no proposal of its predecessor (vllm-ascend #13864)",
         "spec/async_steps.py",

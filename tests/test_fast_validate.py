@@ -484,3 +484,31 @@ def test_drafting_steps_take_the_bulk_path_with_plan_steps_plan() -> None:
             pool.record_sampled(batch, sampled_array([kept.get(r, 1) for r in batch.req_ids]))
             scheduler.update(out, kept)
     assert drafting >= 20
+
+
+def test_async_drafts_proposed_on_the_device_take_the_bulk_path() -> None:
+    """Placeholder drafts right after unverified drafts (async rule 8) are planned in bulk; drafts the scheduler
+    sends after unverified ones (rule 5) are left to spec, which refuses them, and counted as ASYNC_RULES."""
+    config = spec.WorkerConfig(4, 64, 32, 100, (spec.KVCacheGroup(4, 64),), async_scheduling=True)
+    pool = fast.RequestStatePool(config)
+    first = spec.SchedulerOutput(new_requests=(spec.NewRequest("a", (1, 2, 3, 4, 5), ((3, 4),)),),
+                                 num_scheduled_tokens={"a": 5})  # fmt: skip
+    pool.apply(first)
+    pool.record_sampled(pool.prepare(first), np.array([42]), np.array([[7, 8]]))
+    drafting = spec.SchedulerOutput(cached_requests=(spec.CachedRequest("a", 5),), num_scheduled_tokens={"a": 3},
+                                    scheduled_spec_decode_tokens={"a": (-1, -1)})  # fmt: skip
+    pool.apply(drafting)
+    pool.record_sampled(pool.prepare(drafting), np.array([[7, 50, -1]]), np.array([[60, 61]]))
+    ahead = spec.SchedulerOutput(
+        cached_requests=(spec.CachedRequest("a", 8, ((5,),)),),
+        num_scheduled_tokens={"a": 3},
+        scheduled_spec_decode_tokens={"a": (-1, -1)},
+    )
+    pool.apply(ahead)
+    assert pool.fallbacks == Counter()
+    pool.record_sampled(pool.prepare(ahead), np.array([[60, 61, 70]]), np.array([[80, 81]]))
+    sent = spec.SchedulerOutput(cached_requests=(spec.CachedRequest("a", 10),), num_scheduled_tokens={"a": 2},
+                                scheduled_spec_decode_tokens={"a": (9,)})  # fmt: skip
+    with pytest.raises(spec.UnknownTokenError, match="verdict"):
+        pool.apply(sent)
+    assert pool.fallbacks == Counter({Fallback.ASYNC_RULES: 1})
