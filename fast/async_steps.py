@@ -86,20 +86,20 @@ class AheadState:
         proposed: torch.Tensor | np.ndarray | None,  # [n, P] int64 the drafter's ids (rule 8), as sampled, or None
     ) -> None:
         n = rows.shape[0]
-        scratch = np.empty((4, n), np.int64)  # taking | taking_rows | k | starts, the first m of each filled
+        scratch = np.empty((5, n), np.int64)  # taking | taking_rows | k | starts | own starts, the first m filled
         own_drafts = np.empty(draft_ids.shape[0], draft_ids.dtype)  # [sum(num_drafts)], the first sum(k) filled
         width = 0 if proposed is None else int(proposed.shape[1])
-        m, own, longest, most_drafts = _bookkeep(seq_lens, rows, num_drafts, draft_ids, state.sampled_in,
-                                                 state.num_unverified_drafts, state.num_known_tokens,
-                                                 state.num_proposed, width, scratch, own_drafts)  # fmt: skip
+        m, own, longest, most_drafts, placeholders = _bookkeep(
+            seq_lens, rows, num_drafts, draft_ids, state.sampled_in, state.num_unverified_drafts,
+            state.num_known_tokens, state.num_proposed, width, scratch, own_drafts
+        )  # fmt: skip
         if not m:
             return
         self.unverified = self.unverified or most_drafts > 0
         taking, taking_rows, k, starts = scratch[0, :m], scratch[1, :m], scratch[2, :m], scratch[3, :m]
         own_drafts = own_drafts[:own]
-        placeholders = own > 0 and bool((own_drafts == PLACEHOLDER_TOKEN_ID).any())  # rule 8: on the device only
-        if placeholders:  # each taking row's drafts, end to end, as apply stored them (take_proposals)
-            starts = np.cumsum(k) - k
+        if placeholders:  # rule 8: each taking row's drafts, end to end, as apply stored them (take_proposals)
+            starts = scratch[4, :m]
         if width > self.proposals.shape[1]:
             self._grow_proposals(width)
         one_per_row = sampled.ndim < 2
@@ -352,14 +352,16 @@ def _bookkeep(  # pragma: no cover - compiled; tested through record_sampled aga
     num_known: np.ndarray,  # [R] int64: the scheduler's (optimistic) count, advanced by 1 + k for every taking row
     num_proposed: np.ndarray,  # [R] int64 out: the drafter's ids each batch row keeps (rule 8)
     width: int,  # the drafter's ids per row (0: none)
-    out: np.ndarray,  # [4, n] int64 out, the first m of each: taking batch_idx | their req_state_idx | their
-    #                   drafts k | each one's first draft in draft_ids
+    out: np.ndarray,  # [5, n] int64 out, the first m of each: taking batch_idx | their req_state_idx | their
+    #                   drafts k | each one's first draft in draft_ids | in own_drafts
     own_drafts: np.ndarray,  # [sum(k)] out: the taking rows' drafts, batch order
-) -> tuple[int, int, int, int]:
+) -> tuple[int, int, int, int, bool]:
     """The host's side of a record under async scheduling (spec/async_steps.py, rule 1), one pass: (taking rows m,
-    their drafts sum(k), the longest known length of one before the step, the most drafts of one)."""
+    their drafts sum(k), the longest known length of one before the step, the most drafts of one, whether some
+    drafts are placeholders: proposed on the device, rule 8)."""
     sampled_in[:] = -1
     i = at = own = longest = most = 0
+    placeholders = False
     drafting = num_drafts.shape[0] > 0
     for b in range(rows.shape[0]):
         row = rows[b]
@@ -367,7 +369,8 @@ def _bookkeep(  # pragma: no cover - compiled; tested through record_sampled aga
         takes = seq_lens[b] == num_known[row] + d  # before this row's own count moves (rows are distinct)
         num_proposed[row] = width if takes else 0
         if takes:
-            out[0, i], out[1, i], out[2, i], out[3, i] = b, row, d, at
+            out[0, i], out[1, i], out[2, i], out[3, i], out[4, i] = b, row, d, at, own
+            placeholders = placeholders or (d > 0 and draft_ids[at] == PLACEHOLDER_TOKEN_ID)
             sampled_in[row] = b
             num_unverified[row] = d
             longest = max(longest, num_known[row])
@@ -378,7 +381,7 @@ def _bookkeep(  # pragma: no cover - compiled; tested through record_sampled aga
             own += d
             i += 1
         at += d
-    return i, own, longest, most
+    return i, own, longest, most, placeholders
 
 
 @njit(cache=True, nogil=True)

@@ -226,7 +226,10 @@ class Ahead:
             if proposed.ndim != 2 or proposed.shape[0] != len(req_ids):
                 detail = f"shape {tuple(proposed.shape)}: needs [num_reqs={len(req_ids)}, num_proposed]"
                 raise InconsistentSchedulerOutputError(None, "next_draft_ids", detail)
-            proposed = proposed.astype(np.int64) if isinstance(proposed, np.ndarray) else proposed.to(torch.int64)
+            if isinstance(proposed, np.ndarray):
+                proposed = proposed.astype(np.int64, copy=False)
+            else:
+                proposed = proposed.to(torch.int64)
         num_drafts, draft_ids = drafts or (_NO_DRAFTS, _NO_DRAFTS)
         self.state.record(state, applied_steps, req_ids, rows, seq_lens, num_drafts, draft_ids, sampled, proposed)
         self.recorded = True
