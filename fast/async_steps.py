@@ -107,7 +107,7 @@ class AheadState:
         self.dev.reserve_tokens(longest + max(int(tokens.shape[1]), 1 + most_drafts))  # ids, or 1 + k placeholders
         if isinstance(tokens, np.ndarray):  # host mode (fast/step_modes.py hands it NumPy)
             if placeholders:
-                own_drafts = self._stored_drafts_host(taking_rows, k)
+                own_drafts = self._stored_drafts_host(taking_rows, k, own)
                 draft_ids = own_drafts
             if isinstance(proposed, torch.Tensor):  # fast/step_modes.py hands host mode NumPy
                 raise TypeError("host mode records NumPy proposals")
@@ -128,12 +128,12 @@ class AheadState:
         if self.host_mode:
             self._proposals_np = grown.numpy()
 
-    def _stored_drafts_host(self, rows: np.ndarray, k: np.ndarray) -> np.ndarray:
-        """[sum(k)] int64 each row's k drafts, end to end, from the token store just past its known tokens."""
+    def _stored_drafts_host(self, rows: np.ndarray, k: np.ndarray, total: int) -> np.ndarray:
+        """[total = sum(k)] int64 each row's k drafts, end to end, from the token store just past its known tokens."""
         store = self.dev.token_ids_np
         if store is None:
             raise RuntimeError("host mode keeps the token store in NumPy (fast/state.py), but this pool has none")
-        out = np.empty(int(k.sum()), np.int64)
+        out = np.empty(total, np.int64)
         _gather_stored(rows, k, self._known_np, store, out)
         return out
 
@@ -224,10 +224,11 @@ class AheadState:
         values = self.proposals[row_index, draft].to(torch.int32)
         self.dev.token_ids.index_put_((row_index, self.num_known[row_index] + draft), values)
 
-    def batch_drafts(self, rows: np.ndarray, k: np.ndarray) -> torch.Tensor:
-        """[sum(k)] int64 the drafts of batch rows `rows` (k each), as stored: a placeholder step's draft_token_ids."""
+    def batch_drafts(self, rows: np.ndarray, k: np.ndarray, total: int) -> torch.Tensor:
+        """[total = sum(k)] int64 the drafts of batch rows `rows` (k each), as stored: a placeholder step's
+        draft_token_ids."""
         if self.host_mode:
-            return torch.from_numpy(self._stored_drafts_host(rows, k))
+            return torch.from_numpy(self._stored_drafts_host(rows, k, total))
         return self._stored_drafts_device(rows, k)
 
     # ---- apply --------------------------------------------------------------------------------------

@@ -47,7 +47,7 @@ from fast.model_kinds import fast_features_for
 from fast.released import ReleasedTails
 from fast.runtime import interpret, interpret_enabled, use_triton
 from fast.state import DeviceState, HostMirror, write_prompts
-from fast.step_modes import host_array, placeholder_rows, step_mode
+from fast.step_modes import host_array, step_mode
 from fast.validate import MAX_OWNER_MAP, plan_bulk_step
 from fast.writes import apply_writes, step_writes
 from spec.errors import InconsistentSchedulerOutputError, UnknownRequestError
@@ -158,8 +158,9 @@ class RequestStatePool:
         drafts = None
         if plan.num_drafts is not None:  # input ids are right already (apply stored the drafts): add the indices
             sampler, drafts = self._sampler.build(cu_num_tokens, plan.num_drafts, plan.draft_ids, order, self.device)
-            if placeholder_rows(plan) is not None:  # the ids are the drafter's, on the device (rule 8)
-                sampler = sampler | {"draft_token_ids": self.mode.placeholder_drafts(index_mapping, drafts[0])}
+            on_device = self.mode.placeholder_drafts(index_mapping, *drafts)  # rule 8: the drafter's ids, if so
+            if on_device is not None:
+                sampler = sampler | {"draft_token_ids": on_device}
             fields = fields | sampler if fields else sampler
         batch = self._batch_buffers.prepare(
             self.dev, self.state, req_ids, index_mapping, num_scheduled, cu_num_tokens, padded, fields

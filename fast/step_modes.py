@@ -68,8 +68,9 @@ class StepMode(Protocol):
     ) -> None:
         """record_sampled's effect, spec's errors in spec's order."""
 
-    def placeholder_drafts(self, rows: np.ndarray, num_drafts: np.ndarray) -> torch.Tensor:
-        """[sum(num_drafts)] int64 the drafts of batch rows `rows` whose drafts are placeholders (rule 8)."""
+    def placeholder_drafts(self, rows: np.ndarray, num_drafts: np.ndarray, draft_ids: np.ndarray) -> Any:
+        """The sampler's draft_token_ids where the step applied last has placeholder drafts (rule 8): [num_drafts]
+        int64 the drafts of the batch rows `rows` (num_drafts each, draft_ids as sent) as stored; else None."""
         ...
 
     def known_counts(self, state: PoolState) -> tuple[np.ndarray, np.ndarray]:
@@ -127,8 +128,8 @@ class InStep:
         else:
             record_one_per_row(*prepared, sampled)
 
-    def placeholder_drafts(self, rows: np.ndarray, num_drafts: np.ndarray) -> torch.Tensor:
-        raise RuntimeError("placeholder drafts need async scheduling: validation refuses them without it")
+    def placeholder_drafts(self, rows: np.ndarray, num_drafts: np.ndarray, draft_ids: np.ndarray) -> Any:
+        return None  # validation refuses placeholders without async scheduling
 
     def known_counts(self, state: PoolState) -> tuple[np.ndarray, np.ndarray]:
         return state.num_known_tokens, state.num_computed_tokens
@@ -142,6 +143,7 @@ class Ahead:
         self.state = AheadState(config, dev, host_mode, interpreted)
         # a group whose checks read every count a verdict may give: a window (rule 4) or mamba states
         self._verdict_reads = any(g.sliding_window is not None or g.kind == "mamba" for g in config.kv_groups)
+        self._placeholders_applied = False  # the step applied last has placeholder drafts (rule 8)
         self.recorded = False  # the last step applied had its batch recorded: its samples may be pending (rule 3)
         self._pending = np.zeros(0, np.int32)  # [2 num_reqs] rule 3's indices | sources, reused
         self._pending_views: tuple[int, int, dict[str, Any]] | None = None  # on CPU: (n, count, the two views)
@@ -175,6 +177,7 @@ class Ahead:
         self.recorded = False
         self.state.commit(plan)  # rule 2 on the device
         placeholders = placeholder_rows(plan)
+        self._placeholders_applied = placeholders is not None
         if placeholders is not None:  # rule 8: at the corrected count, so after the commit
             self.state.take_proposals(*placeholders)
 
@@ -250,8 +253,10 @@ class Ahead:
             raise InconsistentSchedulerOutputError(None, field, f"dtype {array.dtype}: needs integer ids")
         return array if host_mode else torch.from_numpy(np.ascontiguousarray(array)).to(self.dev.device)
 
-    def placeholder_drafts(self, rows: np.ndarray, num_drafts: np.ndarray) -> torch.Tensor:
-        return self.state.batch_drafts(rows, num_drafts)
+    def placeholder_drafts(self, rows: np.ndarray, num_drafts: np.ndarray, draft_ids: np.ndarray) -> Any:
+        if not self._placeholders_applied:
+            return None
+        return self.state.batch_drafts(rows, num_drafts, draft_ids.shape[0])
 
     def known_counts(self, state: PoolState) -> tuple[np.ndarray, np.ndarray]:
         """The host's counts are optimistic until read: ask the device (a sync)."""
