@@ -75,7 +75,9 @@ def mla_decode_attention(
     dtype = q_latent.dtype.type
     rank = q_latent.shape[2]
     result = np.zeros_like(q_latent)
-    for q_start, q_end, visible, entries in _rows(q_latent, kv_cache, block_table, seq_lens, query_start_loc, fmt, k_scale32):
+    for q_start, q_end, visible, entries in _rows(
+        q_latent, kv_cache, block_table, seq_lens, query_start_loc, fmt, k_scale32
+    ):
         latents, k_pe = entries[:, :rank], entries[:, rank:]  # [k, L], [k, R]
         logits = np.einsum("qhl,kl->hqk", q_latent[q_start:q_end], latents)
         logits = (logits + np.einsum("qhr,kr->hqk", q_pe[q_start:q_end], k_pe)) * dtype(scale)
@@ -106,7 +108,9 @@ def mla_prefill_attention(
     dtype = q_nope.dtype.type
     rank = w_uk.shape[0]
     result = np.zeros((q_nope.shape[0], q_nope.shape[1], w_uv.shape[2]), q_nope.dtype)
-    for q_start, q_end, visible, entries in _rows(q_nope, kv_cache, block_table, seq_lens, query_start_loc, fmt, k_scale32):
+    for q_start, q_end, visible, entries in _rows(
+        q_nope, kv_cache, block_table, seq_lens, query_start_loc, fmt, k_scale32
+    ):
         latents, k_pe = entries[:, :rank], entries[:, rank:]  # [k, L], [k, R]
         keys = np.einsum("kl,lhp->khp", latents, w_uk)  # [k, H, P] each head's no-RoPE key
         values = np.einsum("kl,lhv->khv", latents, w_uv)  # [k, H, V]
@@ -157,7 +161,9 @@ def check_up_projections(q_nope: Any, w_uk: Any, w_uv: Any, rank: int) -> None:
         )
     for name, w in (("w_uk", w_uk), ("w_uv", w_uv)):
         if w.dtype != q_nope.dtype:
-            raise ValueError(f"mla_prefill_attention: {name} is {dtype_name(w.dtype)}, q_nope {dtype_name(q_nope.dtype)}")
+            raise ValueError(
+                f"mla_prefill_attention: {name} is {dtype_name(w.dtype)}, q_nope {dtype_name(q_nope.dtype)}"
+            )
 
 
 def check_mla_attention_inputs(
@@ -182,7 +188,9 @@ def check_mla_attention_inputs(
     if query.ndim != 3 or query.shape[1] < 1:
         raise ValueError(f"{function}: query {tuple(query.shape)} must be [T, num_heads >= 1, width]")
     if q_pe.ndim != 3 or tuple(q_pe.shape[:2]) != tuple(query.shape[:2]) or q_pe.shape[2] % 2:
-        raise ValueError(f"{function}: q_pe {tuple(q_pe.shape)} must be [{query.shape[0]}, {query.shape[1]}, even rope_dim]")
+        raise ValueError(
+            f"{function}: q_pe {tuple(q_pe.shape)} must be [{query.shape[0]}, {query.shape[1]}, even rope_dim]"
+        )
     if kv_cache.shape[2] - q_pe.shape[2] < 1:
         raise ValueError(
             f"{function}: kv_cache entries ({kv_cache.shape[2]}) leave no latent beside rope_dim {q_pe.shape[2]}"
@@ -196,7 +204,9 @@ def check_mla_attention_inputs(
     if num_reqs < 0:
         raise ValueError(f"{function}: seq_lens {tuple(seq_lens.shape)} must be [num_reqs]")
     if block_table.ndim != 2 or block_table.shape[0] != num_reqs:
-        raise ValueError(f"{function}: block_table {tuple(block_table.shape)} must be [num_reqs={num_reqs}, max_blocks]")
+        raise ValueError(
+            f"{function}: block_table {tuple(block_table.shape)} must be [num_reqs={num_reqs}, max_blocks]"
+        )
     if tuple(query_start_loc.shape) != (num_reqs + 1,):
         raise ValueError(f"{function}: query_start_loc {tuple(query_start_loc.shape)} must be [{num_reqs + 1}]")
     for name, x in (("block_table", block_table), ("seq_lens", seq_lens), ("query_start_loc", query_start_loc)):

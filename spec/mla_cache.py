@@ -33,7 +33,15 @@ from typing import Any
 import numpy as np
 
 from spec.fp8 import Fp8Format, cache_format, encode
-from spec.kv_cache import FP8_SOURCE_DTYPES, SLOT_DTYPES, check_kv_scales, dtype_name, element_strides, fp8_cache_dtypes, is_float
+from spec.kv_cache import (
+    FP8_SOURCE_DTYPES,
+    SLOT_DTYPES,
+    check_kv_scales,
+    dtype_name,
+    element_strides,
+    fp8_cache_dtypes,
+    is_float,
+)
 from spec.types import PAD_SLOT_ID, KVCacheGroup
 
 
@@ -75,7 +83,9 @@ def mla_scale(function: str, fmt: Fp8Format | None, k_scale: Any) -> np.float32:
     return scales[0]
 
 
-def check_mla_kv_inputs(kv_cache: Any, kv_c: Any, k_pe: Any, slot_mapping: Any, *, kv_cache_dtype: Any) -> Fp8Format | None:
+def check_mla_kv_inputs(
+    kv_cache: Any, kv_c: Any, k_pe: Any, slot_mapping: Any, *, kv_cache_dtype: Any
+) -> Fp8Format | None:
     """The input contract of write_mla_kv (module docstring), for NumPy arrays and torch tensors alike.
 
     Returns the cache's fp8 format (None for "auto"); the scale is checked by mla_scale.
@@ -113,10 +123,14 @@ def check_latent_cache(function: str, kv_cache: Any) -> None:
             "rope_dim]: an MLA cache has no head axis"
         )
     if kv_cache.shape[2] > 1 and element_strides(kv_cache)[2] != 1:
-        raise ValueError(f"{function}: kv_cache must be contiguous along its entries, strides {element_strides(kv_cache)}")
+        raise ValueError(
+            f"{function}: kv_cache must be contiguous along its entries, strides {element_strides(kv_cache)}"
+        )
 
 
-def check_cache_dtype(function: str, fmt: Fp8Format | None, kv_cache_dtype: str, kv_cache: Any, x: Any, name: str) -> None:
+def check_cache_dtype(
+    function: str, fmt: Fp8Format | None, kv_cache_dtype: str, kv_cache: Any, x: Any, name: str
+) -> None:
     """An fp8 cache holds the format's codes; an "auto" cache holds floats of `x`'s dtype."""
     if fmt is not None:
         if dtype_name(kv_cache.dtype) not in fp8_cache_dtypes(fmt):

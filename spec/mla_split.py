@@ -62,7 +62,10 @@ def split_mla_batch(
     treat_short_extends_as_decodes: bool = False,
 ) -> MlaBatchSplit:
     decode = mla_decode_rows(
-        query_lens, is_prefilling, reorder_batch_threshold, treat_short_extends_as_decodes=treat_short_extends_as_decodes
+        query_lens,
+        is_prefilling,
+        reorder_batch_threshold,
+        treat_short_extends_as_decodes=treat_short_extends_as_decodes,
     )  # [num_reqs]
     num_decodes = int(np.argmin(decode)) if not decode.all() else decode.size  # the first prefill row
     late = np.flatnonzero(decode[num_decodes:])
@@ -84,7 +87,10 @@ def decode_first_order(
     treat_short_extends_as_decodes: bool = False,
 ) -> np.ndarray:  # [num_reqs] int64, new batch_idx -> old batch_idx
     decode = mla_decode_rows(
-        query_lens, is_prefilling, reorder_batch_threshold, treat_short_extends_as_decodes=treat_short_extends_as_decodes
+        query_lens,
+        is_prefilling,
+        reorder_batch_threshold,
+        treat_short_extends_as_decodes=treat_short_extends_as_decodes,
     )
     return np.concatenate([np.flatnonzero(decode), np.flatnonzero(~decode)]).astype(np.int64)
 
