@@ -138,7 +138,7 @@ def _rows(
         k_pos = np.arange(seq_len)  # [k]
         entries = kv_cache[block_table[b, k_pos // block_size], k_pos % block_size]  # [k, L + R]
         if fmt is not None:  # codes -> the values they stand for, in the query's dtype
-            entries = dequantize(entries, fmt, k_scale, query.dtype.type)
+            entries = dequantize(entries, fmt, np.asarray(k_scale), query.dtype.type)
         yield q_start, q_end, k_pos[None, :] <= q_pos[:, None], entries
 
 
