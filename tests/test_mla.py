@@ -72,16 +72,17 @@ def _np(x: torch.Tensor) -> np.ndarray:
     return as_float64(x) if x.is_floating_point() else x.numpy()
 
 
-def test_write_mla_kv_positions_by_hand(mode: str) -> None:
+@pytest.mark.parametrize("rope", [R, 0], ids=["rope", "nope"])
+def test_write_mla_kv_positions_by_hand(mode: str, rope: int) -> None:
     """Token t's [kv_c[t], k_pe[t]] lands at (slot // bs, slot % bs); PAD_SLOT_ID writes nothing; rest untouched."""
     kv_c = torch.arange(4 * L, dtype=torch.float32).reshape(4, L) + 1  # [T, L], no zeros
-    k_pe = -torch.arange(4 * R, dtype=torch.float32).reshape(4, R) - 1  # [T, R]
+    k_pe = -torch.arange(4 * rope, dtype=torch.float32).reshape(4, rope) - 1  # [T, rope]; 0: a NoPE latent
     slots = torch.tensor([5, PAD_SLOT_ID, 0, 14])
-    want = np.zeros((4, BLOCK_SIZE, L + R))
+    want = np.zeros((4, BLOCK_SIZE, L + rope))
     for t, (block, offset) in {0: (1, 1), 2: (0, 0), 3: (3, 2)}.items():
         want[block, offset, :L], want[block, offset, L:] = kv_c[t].numpy(), k_pe[t].numpy()
     for impl, convert in ((spec, torch.Tensor.numpy), (fast, lambda x: x)):
-        cache = convert(torch.zeros(4, BLOCK_SIZE, L + R))
+        cache = convert(torch.zeros(4, BLOCK_SIZE, L + rope))
         impl.write_mla_kv(cache, convert(kv_c), convert(k_pe), convert(slots))
         np.testing.assert_array_equal(np.asarray(cache), want)
 
