@@ -160,6 +160,10 @@ class _ModeBackend:
         self.enabled = enabled
         self.write_kv = _in_mode(fast.write_kv, enabled)
         self.paged_attention = _in_mode(fast.paged_attention, enabled)
+        # MLA's latent cache (spec.MlaBackend, an optional part of a backend), in the same kernel mode
+        self.write_mla_kv = _in_mode(fast.write_mla_kv, enabled)
+        self.mla_decode_attention = _in_mode(fast.mla_decode_attention, enabled)
+        self.mla_prefill_attention = _in_mode(fast.mla_prefill_attention, enabled)
         # encoder-decoder (fast/encoder_attention.py): `cross_attention` names a submodule of both packages
         self.cross_attention = _in_mode(fast.encoder_attention.cross_attention, enabled)
         # the engine layouts (optional part of a backend, docs/porting.md), in the same kernel mode

@@ -20,6 +20,8 @@ The kernels write_kv and paged_attention choose their mode per call, from their 
 
 from fast.attention import paged_attention
 from fast.kv_cache import write_kv
+from fast.mla_attention import mla_decode_attention, mla_prefill_attention
+from fast.mla_cache import write_mla_kv
 from fast.pool import RequestStatePool
 from spec import (
     ALL_ERRORS,
@@ -35,6 +37,8 @@ from spec import (
     InconsistentSchedulerOutputError,
     KVCacheGroup,
     MissingBlockError,
+    MlaBackend,
+    MlaBatchSplit,
     ModelLengthError,
     NewRequest,
     NullBlockError,
@@ -49,6 +53,8 @@ from spec import (
     UnknownRequestError,
     UnknownTokenError,
     WorkerConfig,
+    mla_cache_shape,
+    split_mla_batch,
 )
 
 __all__ = [
@@ -65,6 +71,8 @@ __all__ = [
     "InconsistentSchedulerOutputError",
     "KVCacheGroup",
     "MissingBlockError",
+    "MlaBackend",
+    "MlaBatchSplit",
     "ModelLengthError",
     "NewRequest",
     "NullBlockError",
@@ -80,6 +88,11 @@ __all__ = [
     "UnknownRequestError",
     "UnknownTokenError",
     "WorkerConfig",
+    "mla_cache_shape",
+    "mla_decode_attention",
+    "mla_prefill_attention",
     "paged_attention",
+    "split_mla_batch",
     "write_kv",
+    "write_mla_kv",
 ]

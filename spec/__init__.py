@@ -22,8 +22,11 @@ from spec.errors import (
     UnknownTokenError,
 )
 from spec.kv_cache import write_kv
+from spec.mla_attention import mla_decode_attention, mla_prefill_attention
+from spec.mla_cache import mla_cache_shape, write_mla_kv
+from spec.mla_split import MlaBatchSplit, split_mla_batch
 from spec.pool import RequestStatePool
-from spec.protocol import Backend, StatePool
+from spec.protocol import Backend, MlaBackend, StatePool
 from spec.types import (
     NULL_BLOCK_ID,
     PAD_SLOT_ID,
@@ -51,6 +54,8 @@ __all__ = [
     "InconsistentSchedulerOutputError",
     "KVCacheGroup",
     "MissingBlockError",
+    "MlaBackend",
+    "MlaBatchSplit",
     "ModelLengthError",
     "NewRequest",
     "NullBlockError",
@@ -66,6 +71,11 @@ __all__ = [
     "UnknownRequestError",
     "UnknownTokenError",
     "WorkerConfig",
+    "mla_cache_shape",
+    "mla_decode_attention",
+    "mla_prefill_attention",
     "paged_attention",
+    "split_mla_batch",
     "write_kv",
+    "write_mla_kv",
 ]

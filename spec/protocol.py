@@ -72,3 +72,64 @@ class Backend(Protocol):
 
     @property
     def paged_attention(self) -> PagedAttention: ...
+
+
+class WriteMlaKV(Protocol):
+    def __call__(
+        self,
+        kv_cache: Any,
+        kv_c: Any,
+        k_pe: Any,
+        slot_mapping: Any,
+        *,
+        kv_cache_dtype: str = "auto",
+        k_scale: Any = 1.0,
+    ) -> None: ...
+
+
+class MlaDecodeAttention(Protocol):
+    def __call__(
+        self,
+        q_latent: Any,
+        q_pe: Any,
+        kv_cache: Any,
+        block_table: Any,
+        seq_lens: Any,
+        query_start_loc: Any,
+        *,
+        scale: float,
+        kv_cache_dtype: str = "auto",
+        k_scale: Any = 1.0,
+    ) -> Any: ...
+
+
+class MlaPrefillAttention(Protocol):
+    def __call__(
+        self,
+        q_nope: Any,
+        q_pe: Any,
+        kv_cache: Any,
+        w_uk: Any,
+        w_uv: Any,
+        block_table: Any,
+        seq_lens: Any,
+        query_start_loc: Any,
+        *,
+        scale: float,
+        kv_cache_dtype: str = "auto",
+        k_scale: Any = 1.0,
+    ) -> Any: ...
+
+
+class MlaBackend(Protocol):
+    """The optional MLA part of a backend (spec/mla_cache.py, spec/mla_attention.py): a backend for DeepSeek-style
+    models offers it beside `Backend`'s; one without MLA need not."""
+
+    @property
+    def write_mla_kv(self) -> WriteMlaKV: ...
+
+    @property
+    def mla_decode_attention(self) -> MlaDecodeAttention: ...
+
+    @property
+    def mla_prefill_attention(self) -> MlaPrefillAttention: ...

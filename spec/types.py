@@ -31,8 +31,9 @@ MAX_VOCAB_SIZE = 2**31
 PLACEHOLDER_TOKEN_ID = -1
 # What a KV cache group holds (KVCacheGroup.kind): KV per token of the request's own sequence; one recurrent
 # state per request (a Mamba layer's, spec/mamba.py); the encoder's KV, read by cross-attention
-# (spec/cross_attention.py).
-GROUP_KINDS = ("attention", "mamba", "cross_attention")
+# (spec/cross_attention.py); one latent vector per token, shared by every head (multi-head latent attention,
+# spec/mla_cache.py): its slots are an attention group's.
+GROUP_KINDS = ("attention", "mamba", "cross_attention", "mla")
 
 
 def check_encoder_config(groups: Sequence[KVCacheGroup], max_encoder_len: int) -> None:
@@ -62,6 +63,24 @@ def _require_ints(obj: object, *names: str) -> None:
             raise ValueError(f"{type(obj).__name__}.{name} must be an integer, got {value!r}")
 
 
+def check_latent_widths(group: KVCacheGroup) -> None:
+    """An mla group's widths: kv_lora_rank >= 1, qk_rope_head_dim even (RoPE rotates pairs) and >= 0 (0: a NoPE
+    latent, which vLLM allows); no window (vLLM 0.32's SlidingWindowMLASpec is not modelled). Other kinds: 0."""
+    _require_ints(group, "kv_lora_rank", "qk_rope_head_dim")
+    if group.kind != "mla":
+        if group.kv_lora_rank or group.qk_rope_head_dim:
+            raise ValueError(f"KVCacheGroup.kv_lora_rank and qk_rope_head_dim are 0 unless kind='mla': {group}")
+        return
+    if group.sliding_window is not None:
+        raise ValueError(f"KVCacheGroup: an mla group has no sliding window (got {group.sliding_window})")
+    if group.kv_lora_rank < 1:
+        raise ValueError(f"KVCacheGroup.kv_lora_rank must be >= 1 for an mla group, got {group.kv_lora_rank}")
+    if group.qk_rope_head_dim < 0 or group.qk_rope_head_dim % 2:
+        raise ValueError(
+            f"KVCacheGroup.qk_rope_head_dim must be even and >= 0 (RoPE rotates pairs), got {group.qk_rope_head_dim}"
+        )
+
+
 @dataclass(frozen=True)
 class KVCacheGroup:
     block_size: int  # tokens per block
@@ -71,11 +90,17 @@ class KVCacheGroup:
     # a mamba group's table entries past the running state's for the states after each draft (vLLM's
     # MambaSpec.num_speculative_blocks, = num_speculative_tokens): part of the table's width (spec/mamba.py)
     num_speculative_blocks: int = 0
+    # an mla group's latent widths, as vLLM's MLAAttention: the normalized latent (kv_lora_rank, e.g. 512) and
+    # the decoupled RoPE key part (qk_rope_head_dim, e.g. 64) of each token, one vector of their sum per slot
+    # (vLLM's head_size; spec/mla_cache.py). 0 for every other kind
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
 
     def __post_init__(self) -> None:
         _require_ints(self, "block_size", "num_blocks")
         if self.kind not in GROUP_KINDS:
             raise ValueError(f"KVCacheGroup.kind must be one of {GROUP_KINDS}, got {self.kind!r}")
+        check_latent_widths(self)
         if self.kind != "attention" and self.sliding_window is not None:
             raise ValueError(f"KVCacheGroup.sliding_window applies to attention groups, not to a {self.kind} group")
         if self.sliding_window is not None:
@@ -89,6 +114,11 @@ class KVCacheGroup:
             raise ValueError(f"KVCacheGroup.sliding_window must be >= 1, got {self.sliding_window}")
         if self.num_blocks > 2**31:  # block tables are int32 (BLOCK_ID_DTYPE): the largest id must fit
             raise ValueError(f"KVCacheGroup.num_blocks must be <= 2**31 (int32 block ids), got {self.num_blocks}")
+
+    @property
+    def latent_width(self) -> int:
+        """An mla group's cache entry per slot: kv_lora_rank + qk_rope_head_dim (vLLM's head_size); 0 otherwise."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
     def first_read(self, num_computed: int) -> int:
         """The oldest position a step starting at `num_computed` reads: the window's start, or 0 without one."""

@@ -18,7 +18,14 @@ import pytest
 import fast
 import spec
 
-IMPLEMENTED = {"RequestStatePool", "write_kv", "paged_attention"}  # fast's own; everything else is spec's object
+IMPLEMENTED = {
+    "RequestStatePool",
+    "write_kv",
+    "paged_attention",
+    "write_mla_kv",
+    "mla_decode_attention",
+    "mla_prefill_attention",
+}  # fast's own; everything else is spec's object
 
 
 def _normalised(sig: inspect.Signature, drop: tuple[str, ...] = ()) -> list[tuple[Any, ...]]:
@@ -41,7 +48,9 @@ def test_shared_names_are_spec_objects(name: str) -> None:
     assert getattr(fast, name) is getattr(spec, name)
 
 
-@pytest.mark.parametrize("name", ["write_kv", "paged_attention"])
+@pytest.mark.parametrize(
+    "name", ["write_kv", "paged_attention", "write_mla_kv", "mla_decode_attention", "mla_prefill_attention"]
+)
 def test_kernel_signatures_match(name: str) -> None:
     assert _normalised(inspect.signature(getattr(fast, name))) == _normalised(inspect.signature(getattr(spec, name)))
 

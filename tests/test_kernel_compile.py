@@ -46,6 +46,7 @@ REGISTER_BUDGET = {
     "_mrope_positions_kernel": 64,
     "_mamba_state_indices_kernel": 64,
     "_cp_slot_mapping_kernel": 64,
+    "_write_mla_kv_kernel": 64,
 }
 
 
@@ -226,6 +227,18 @@ def cp_slot_mapping_launch(interleave: int) -> Launch:
     return _only(launches)
 
 
+def write_mla_kv_launch(dtype: torch.dtype, rank: int, rope_dim: int, slots: int) -> Launch:
+    """MLA's latent write (fast/kernels/mla_cache.py): DeepSeek's 512 + 64, a NoPE latent, an int64 slot count."""
+    from fast.kernels.mla_cache import write_mla_kv_triton
+
+    cache = torch.empty((slots // 64, 64, rank + rope_dim), dtype=dtype, device="meta")
+    with captured_launches() as launches:
+        write_mla_kv_triton(cache, torch.empty((4, rank), dtype=dtype, device="meta"),
+                            torch.empty((4, rope_dim), dtype=dtype, device="meta"),
+                            torch.empty(4, dtype=torch.int64, device="meta"))  # fmt: skip
+    return _only(launches)
+
+
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 HEAD_DIMS = (64, 96, 128)  # 96: not a power of two, the kernels mask the padded lanes
 INT64_SLOTS = 2**31 + 2**20  # a cache with more slots than int32 holds: Triton passes the count as int64
@@ -284,6 +297,13 @@ def _cases() -> dict[str, tuple[Callable[[], Launch], tuple[int, ...]]]:
         form = "one-per-row" if one_per_row else "accepted"
         kind = ("check", "append")[which]
         cases[f"record_ahead-{kind}-{form}"] = (functools.partial(record_ahead_launch, which, one_per_row), ARCHS)
+    for (name, dtype), (rank, rope_dim), slots in itertools.product(
+        (*DTYPES.items(), ("fp8codes", torch.uint8)), ((512, 64), (512, 0)), (2**16, INT64_SLOTS)
+    ):
+        if not COMPILE_ALL and slots > 2**31 and (name, rope_dim) != ("bf16", 64):
+            continue
+        launch = functools.partial(write_mla_kv_launch, dtype, rank, rope_dim, slots)
+        cases[f"write_mla_kv-{name}-l{rank}-r{rope_dim}-slots{slots}"] = (launch, ARCHS)
     for num_tokens in (5, 8192):  # a tile below BLOCK_TOKENS and the full one
         cases[f"mrope_positions-t{num_tokens}"] = (functools.partial(mrope_launch, num_tokens), ARCHS)
     return cases

@@ -2,7 +2,9 @@
 
 import fast
 import spec
-from spec.protocol import Backend
+from spec.protocol import Backend, MlaBackend
 
 _spec: Backend = spec
 _fast: Backend = fast
+_spec_mla: MlaBackend = spec
+_fast_mla: MlaBackend = fast
