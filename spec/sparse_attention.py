@@ -131,6 +131,8 @@ def check_topk_slots(topk_slots: np.ndarray, num_blocks: int, block_size: int) -
             t, j = (int(i) for i in np.argwhere(bad)[0])
             raise error(None, t, f"topk_slots[{t}, {j}]", f"= {int(slots[t, j])} {detail}")
 
-    refuse(InvalidIndexError, (slots < -1) | (slots >= num_slots), f"is not -1 nor a slot of the cache [0, {num_slots})")
+    refuse(
+        InvalidIndexError, (slots < -1) | (slots >= num_slots), f"is not -1 nor a slot of the cache [0, {num_slots})"
+    )
     refuse(ReleasedBlockIndexError, (slots >= 0) & (slots < block_size), "lies in the null block, which holds no KV")
     refuse(DuplicateIndexError, repeated_entries(slots), "is listed twice in the row")

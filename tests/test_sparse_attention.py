@@ -167,15 +167,19 @@ def test_softcap_gqa_and_empty_rows_by_hand(module: object) -> None:
         for h in range(NUM_HEADS):
             logits = np.array([query[t, h] @ key_cache[b, o, h // 2] for b, o in chosen]) * SCALE
             logits = 2.0 * np.tanh(logits / 2.0)
-            expected[t, h] = sum(np.exp(x) * value_cache[b, o, h // 2] for x, (b, o) in zip(logits, chosen))
+            expected[t, h] = sum(
+                np.exp(x) * value_cache[b, o, h // 2] for x, (b, o) in zip(logits, chosen, strict=True)
+            )
             expected[t, h] /= np.exp(logits).sum()
             expected_lse[t, h] = np.log(np.exp(logits).sum())
-    wrap = np.asarray if module is spec_sparse else torch.from_numpy
-    out, lse = module.sparse_attention_state(  # type: ignore[attr-defined]
-        *(wrap(x) for x in (query, key_cache, value_cache, slots)), scale=SCALE, softcap=2.0
-    ) if module is spec_sparse else module.sparse_attention_state(  # type: ignore[attr-defined]
-        *(wrap(x.astype(np.float32)) for x in (query, key_cache, value_cache)), wrap(slots), scale=SCALE, softcap=2.0
-    )  # fmt: skip
+    if module is spec_sparse:
+        out, lse = spec_sparse.sparse_attention_state(query, key_cache, value_cache, slots, scale=SCALE, softcap=2.0)
+    else:
+        floats = (torch.from_numpy(x.astype(np.float32)) for x in (query, key_cache, value_cache))
+        out, lse = (
+            x.numpy()
+            for x in fast_sparse.sparse_attention_state(*floats, torch.from_numpy(slots), scale=SCALE, softcap=2.0)
+        )
     atol = 1e-12 if module is spec_sparse else 1e-5
     np.testing.assert_allclose(np.asarray(out), expected, rtol=0, atol=atol)
     assert np.all(np.asarray(lse)[1] == -np.inf) and np.all(np.asarray(out)[1] == 0)
@@ -208,7 +212,7 @@ def test_bad_arguments_are_refused(which: str) -> None:
     slots = np.full((3, 2), -1, np.int64)
     call = spec.sparse_paged_attention
     if which == "fast":
-        query, key_cache, value_cache = (torch.from_numpy(x.astype(np.float32)) for x in (query, key_cache, value_cache))
+        query, key_cache, value_cache = (torch.from_numpy(x.astype(np.float32)) for x in _tiny())
         slots, call = torch.from_numpy(slots), fast.sparse_paged_attention  # type: ignore[assignment]
     with pytest.raises(ValueError, match="topk_slots"):
         call(query, key_cache, value_cache, slots[:2], scale=SCALE)

@@ -236,3 +236,12 @@ def test_the_triton_kernel_maps_a_tiny_batch_as_spec() -> None:
         got = fast.sparse_slot_mapping(batch, HAND_CONFIG, torch.from_numpy(_hand_topk()))
     want = spec.sparse_slot_mapping(_batch("spec", HAND_CONFIG, HAND_OUT, 12), HAND_CONFIG, _hand_topk())
     assert np.array_equal(got.numpy(), want)
+
+
+@pytest.mark.parametrize("which", BACKENDS)
+def test_an_mla_group_maps_as_an_attention_group(which: str) -> None:
+    """The slots do not depend on what a slot holds: an mla group (a latent per slot) maps like HAND_CONFIG's."""
+    mla = WorkerConfig(4, 32, 32, 100, (KVCacheGroup(4, 16, kind="mla", kv_lora_rank=8, qk_rope_head_dim=2),))
+    got = _map(which, _batch(which, mla, HAND_OUT, 12), mla, _hand_topk())
+    want = _map(which, _batch(which, HAND_CONFIG, HAND_OUT, 12), HAND_CONFIG, _hand_topk())
+    assert np.array_equal(got, want) and (got >= 0).sum() == 7
