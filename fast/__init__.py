@@ -23,6 +23,8 @@ from fast.kv_cache import write_kv
 from fast.mla_attention import mla_decode_attention, mla_prefill_attention
 from fast.mla_cache import write_mla_kv
 from fast.pool import RequestStatePool
+from fast.sparse_attention import sparse_paged_attention
+from fast.sparse_topk import sparse_slot_mapping
 from spec import (
     ALL_ERRORS,
     NULL_BLOCK_ID,
@@ -47,6 +49,8 @@ from spec import (
     RowSnapshot,
     ScheduleError,
     SchedulerOutput,
+    SparseBackend,
+    SparseIndexError,
     StatePool,
     TokenBudgetError,
     TokenIdError,
@@ -82,6 +86,8 @@ __all__ = [
     "RowSnapshot",
     "ScheduleError",
     "SchedulerOutput",
+    "SparseBackend",
+    "SparseIndexError",
     "StatePool",
     "TokenBudgetError",
     "TokenIdError",
@@ -92,6 +98,8 @@ __all__ = [
     "mla_decode_attention",
     "mla_prefill_attention",
     "paged_attention",
+    "sparse_paged_attention",
+    "sparse_slot_mapping",
     "split_mla_batch",
     "write_kv",
     "write_mla_kv",

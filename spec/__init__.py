@@ -26,7 +26,9 @@ from spec.mla_attention import mla_decode_attention, mla_prefill_attention
 from spec.mla_cache import mla_cache_shape, write_mla_kv
 from spec.mla_split import MlaBatchSplit, split_mla_batch
 from spec.pool import RequestStatePool
-from spec.protocol import Backend, MlaBackend, StatePool
+from spec.protocol import Backend, MlaBackend, SparseBackend, StatePool
+from spec.sparse_attention import sparse_paged_attention
+from spec.sparse_topk import SparseIndexError, sparse_slot_mapping
 from spec.types import (
     NULL_BLOCK_ID,
     PAD_SLOT_ID,
@@ -65,6 +67,8 @@ __all__ = [
     "RowSnapshot",
     "ScheduleError",
     "SchedulerOutput",
+    "SparseBackend",
+    "SparseIndexError",
     "StatePool",
     "TokenBudgetError",
     "TokenIdError",
@@ -75,6 +79,8 @@ __all__ = [
     "mla_decode_attention",
     "mla_prefill_attention",
     "paged_attention",
+    "sparse_paged_attention",
+    "sparse_slot_mapping",
     "split_mla_batch",
     "write_kv",
     "write_mla_kv",

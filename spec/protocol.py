@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from spec.context_parallel import ContextParallel
 from spec.types import BatchInputs, PoolSnapshot, SchedulerOutput, WorkerConfig
 
 
@@ -133,3 +134,39 @@ class MlaBackend(Protocol):
 
     @property
     def mla_prefill_attention(self) -> MlaPrefillAttention: ...
+
+
+class SparseSlotMapping(Protocol):
+    def __call__(
+        self,
+        batch: BatchInputs,
+        config: WorkerConfig,
+        topk_indices: Any,
+        group: int = 0,
+        *,
+        cp: ContextParallel | None = None,
+    ) -> Any: ...
+
+
+class SparsePagedAttention(Protocol):
+    def __call__(
+        self,
+        query: Any,
+        key_cache: Any,
+        value_cache: Any,
+        topk_slots: Any,
+        *,
+        scale: float,
+        softcap: float | None = None,
+    ) -> Any: ...
+
+
+class SparseBackend(Protocol):
+    """The optional sparse top-k part of a backend (spec/sparse_topk.py, spec/sparse_attention.py), for
+    DeepSeek-V3.2-style indexer attention: the slots of the selected keys, and attention over them."""
+
+    @property
+    def sparse_slot_mapping(self) -> SparseSlotMapping: ...
+
+    @property
+    def sparse_paged_attention(self) -> SparsePagedAttention: ...

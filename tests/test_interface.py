@@ -25,6 +25,8 @@ IMPLEMENTED = {
     "write_mla_kv",
     "mla_decode_attention",
     "mla_prefill_attention",
+    "sparse_slot_mapping",
+    "sparse_paged_attention",
 }  # fast's own; everything else is spec's object
 
 
@@ -49,7 +51,15 @@ def test_shared_names_are_spec_objects(name: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "name", ["write_kv", "paged_attention", "write_mla_kv", "mla_decode_attention", "mla_prefill_attention"]
+    "name", [
+        "write_kv",
+        "paged_attention",
+        "write_mla_kv",
+        "mla_decode_attention",
+        "mla_prefill_attention",
+        "sparse_slot_mapping",
+        "sparse_paged_attention",
+    ]
 )
 def test_kernel_signatures_match(name: str) -> None:
     assert _normalised(inspect.signature(getattr(fast, name))) == _normalised(inspect.signature(getattr(spec, name)))

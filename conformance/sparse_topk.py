@@ -1,0 +1,99 @@
+"""Sparse top-k attention in the suite: runs of the reference scheduler and an indexer's random selections.
+
+The indexer is the model's job; here it is a random one that picks, per real query at position p, distinct
+positions of its own request within the query's reach (causal, and inside the group's window if it has one),
+leaving the rest of its row -1 in shuffled columns; padded tokens select nothing. A dense reference attends
+each query over the keys written at every position of its request, masked to the selected ones: it never
+looks at a slot, a table or a block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from conformance.scheduler import ReferenceScheduler, SchedulerKnobs, make_workload
+from spec.protocol import StatePool
+from spec.types import BatchInputs, WorkerConfig
+
+
+def random_topk(
+    positions: np.ndarray,  # [T] flat token index -> position
+    num_tokens: int,  # real tokens; the rest of the T rows are padding
+    top_k: int,
+    window: int | None,
+    rng: np.random.Generator,
+) -> np.ndarray:  # [T, top_k] int32, -1: none
+    topk = np.full((positions.shape[0], top_k), -1, np.int32)
+    for t in range(num_tokens):
+        p = int(positions[t])
+        first = 0 if window is None else max(0, p - window + 1)
+        reach = np.arange(first, p + 1)  # the positions query t may read
+        count = int(rng.integers(0, min(top_k, reach.size) + 1))
+        columns = rng.permutation(top_k)[:count]
+        topk[t, columns] = rng.choice(reach, size=count, replace=False)
+    return topk
+
+
+def scheduled_batches(
+    config: WorkerConfig, seed: int, pools: Sequence[StatePool], max_steps: int, knobs: SchedulerKnobs
+) -> Iterator[list[BatchInputs]]:
+    """Up to max_steps steps of a reference-scheduler workload through every pool (the same outputs, one batch
+    per pool, in `pools` order); each pool records the same sampled ids, in its own array type."""
+    workload = make_workload(seed, config, num_requests=4, max_arrival_step=3, max_new_tokens=8)
+    sched = ReferenceScheduler(config, workload, knobs, seed=seed)
+    rng = np.random.default_rng(seed)
+    steps = 0
+    while not sched.done() and steps < max_steps:
+        out = sched.schedule()
+        pad_to = sched.pad_to(out)
+        batches = []
+        for pool in pools:
+            pool.apply(out)
+            batches.append(pool.prepare(out, pad_to))
+        yield batches
+        targets = {r: int(rng.integers(config.vocab_size)) for r in sched.sampling_req_ids(out)}
+        ids = np.array([targets.get(r, 0) for r in batches[0].req_ids], np.int64)
+        for pool, batch in zip(pools, batches, strict=True):
+            pool.record_sampled(batch, as_backend_ids(batch, ids))
+        sched.update(out, targets)
+        steps += 1
+
+
+def as_backend_ids(batch: BatchInputs, ids: np.ndarray) -> Any:
+    """`ids` in the array type of the batch's backend (a torch tensor for a batch of torch tensors)."""
+    if isinstance(batch.positions, np.ndarray):
+        return ids
+    import torch
+
+    return torch.from_numpy(ids).to(batch.positions.device)
+
+
+def dense_masked_attention(
+    query: np.ndarray,  # [num_tokens, num_heads, head_dim] float64, the real queries
+    keys: list[np.ndarray],  # per real token: [p + 1, num_kv_heads, head_dim] its request's keys at positions 0..p
+    values: list[np.ndarray],  # per real token: [p + 1, num_kv_heads, head_dim]
+    topk: np.ndarray,  # [num_tokens, top_k] positions, -1: none
+    scale: float,
+) -> tuple[np.ndarray, np.ndarray]:  # ([num_tokens, num_heads, head_dim], [num_tokens, num_heads]) float64
+    """Full causal attention of each query over its request, with every position outside its row masked."""
+    num_tokens, num_heads, head_dim = query.shape
+    out = np.zeros((num_tokens, num_heads, head_dim))
+    lse = np.full((num_tokens, num_heads), -np.inf)
+    for t in range(num_tokens):
+        chosen = set(int(i) for i in topk[t] if i >= 0)
+        if not chosen:
+            continue
+        group = num_heads // keys[t].shape[1]
+        k = np.repeat(keys[t], group, axis=1)  # [p + 1, num_heads, head_dim]
+        v = np.repeat(values[t], group, axis=1)
+        logits = np.einsum("hd,khd->hk", query[t], k) * scale
+        mask = np.array([i in chosen for i in range(k.shape[0])])
+        logits = np.where(mask[None, :], logits, -np.inf)
+        peak = logits.max(axis=1, keepdims=True)
+        weights = np.exp(logits - peak)
+        out[t] = np.einsum("hk,khd->hd", weights / weights.sum(axis=1, keepdims=True), v)
+        lse[t] = peak[:, 0] + np.log(weights.sum(axis=1))
+    return out, lse
