@@ -49,7 +49,7 @@ from typing import Any
 
 import numpy as np
 
-from spec.types import INDEX_DTYPE, BatchInputs, SchedulerOutput, is_integral
+from spec.types import FEATURE_FIELDS, INDEX_DTYPE, BatchInputs, SchedulerOutput, is_integral
 
 DECODE_TOKEN_THRESHOLD = 32  # vLLM's ParallelConfig.dbo_decode_token_threshold default
 PREFILL_TOKEN_THRESHOLD = 512  # vLLM's ParallelConfig.dbo_prefill_token_threshold default
@@ -88,6 +88,15 @@ class MicroBatch:
     @property
     def num_reqs(self) -> int:
         return len(self.req_ids)
+
+    def __getattr__(self, name: str) -> Any:
+        """A feature record's field by its name, as on BatchInputs (`half.mrope_positions`; None without it)."""
+        for record in self.__dict__.get("features", ()):
+            if name in record.__dataclass_fields__:
+                return getattr(record, name)
+        if name in FEATURE_FIELDS:
+            return None
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
 
 def should_split(
