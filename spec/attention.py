@@ -65,6 +65,8 @@ def paged_attention(
     result = np.zeros_like(query)
     for b in range(len(seq_lens)):
         q_start, q_end, seq_len = int(query_start_loc[b]), int(query_start_loc[b + 1]), int(seq_lens[b])
+        if q_end == q_start:  # a row with no query this call (a micro-batch's, spec/ubatch.py): nothing to attend
+            continue
         q_pos = np.arange(seq_len - (q_end - q_start), seq_len)  # [q] positions of this row's queries
         first = 0 if sliding_window is None else max(0, int(q_pos[0]) - sliding_window + 1)
         k_pos = np.arange(first, seq_len)  # [k] the only positions any query of this row may read

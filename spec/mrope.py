@@ -182,6 +182,10 @@ class MRopeInputs:
 
     mrope_positions: Any  # [3, T] int64 M-RoPE positions (temporal, height, width), 0 for padding
 
+    def split_for_ubatch(self, request_slice: slice, token_slice: slice) -> MRopeInputs:
+        """A micro-batch's record (spec/ubatch.py, rule 8): its tokens' columns, as vLLM's slice_model_inputs."""
+        return MRopeInputs(self.mrope_positions[:, token_slice])
+
 
 class MRope(Feature):
     """The feature (spec/feature.py): new requests bring tables, rows keep them, prepare cuts each step's columns."""
