@@ -28,9 +28,11 @@ from spec.fp8 import Fp8Format
 
 BLOCK_M_MIN = 16  # tl.dot needs >= 16 rows
 HEADS_MAX = 16  # query heads per program: more heads get more programs (DeepSeek's 128: 8 head blocks)
-BLOCK_N = 16  # key positions per tile: a [16, 512] latent tile and the [16, 512] float32 accumulator fit registers
-NUM_WARPS = 4
-NUM_WARPS_FP32_DOT = 8  # float32 operands double a tile's registers
+BLOCK_N = 16  # key positions per tile
+# the [16, 512] float32 accumulator and the query's [16, 512] tile are live across the whole key loop: at 4 warps
+# 16-bit tiles took 188-196 registers a thread, 255 with fp8 decoding, which spilled (sm_80, sm_90); at 8 warps
+# 101-176 and no spill (tests/test_kernel_compile.py). Float32 tiles at 8 warps: 102-108.
+NUM_WARPS = 8
 
 
 def query_tile(num_heads: int) -> tuple[int, int, int]:
@@ -71,7 +73,7 @@ def mla_decode_triton(
         BLOCK_Q=block_q, HEADS_PAD=heads_pad, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
         BLOCK_L=max(16, triton.next_power_of_2(rank)), BLOCK_R=max(16, triton.next_power_of_2(max(rope_dim, 1))),
         HAS_ROPE=rope_dim > 0, FP32_DOT=fp32_dot, FP8_MANTISSA=0 if fmt is None else fmt.mantissa_bits,
-        num_warps=NUM_WARPS_FP32_DOT if fp32_dot else NUM_WARPS, num_stages=1,
+        num_warps=NUM_WARPS, num_stages=1,  # software pipelining not measured here: off, as for fp8 attention
     )  # fmt: skip
 
 
