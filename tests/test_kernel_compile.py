@@ -47,6 +47,7 @@ REGISTER_BUDGET = {
     "_mamba_state_indices_kernel": 64,
     "_cp_slot_mapping_kernel": 64,
     "_write_mla_kv_kernel": 64,
+    "_mla_decode_kernel": 192,  # 8 warps: a [16, 512] float32 accumulator and query tile live across the loop
 }
 
 
@@ -239,6 +240,24 @@ def write_mla_kv_launch(dtype: torch.dtype, rank: int, rope_dim: int, slots: int
     return _only(launches)
 
 
+def mla_decode_launch(dtype: torch.dtype, num_heads: int, rope_dim: int, fmt_name: str | None) -> Launch:
+    """MLA's absorbed decode (fast/kernels/mla_attention.py) at DeepSeek's kv_lora_rank 512: its 16 heads per
+    device under tensor parallelism, all 128 of one device, a NoPE latent, fp8 codes."""
+    from fast.kernels.mla_attention import mla_decode_triton
+    from spec.fp8 import E4M3, E5M2
+
+    num_reqs, num_tokens, rank = 2, 6, 512
+    q_latent = torch.empty((num_tokens, num_heads, rank), dtype=dtype, device="meta")
+    q_pe = torch.empty((num_tokens, num_heads, rope_dim), dtype=dtype, device="meta")
+    cache = torch.empty((64, 16, rank + rope_dim), dtype=dtype if fmt_name is None else torch.uint8, device="meta")
+    fmt = None if fmt_name is None else (E4M3 if fmt_name == "e4m3" else E5M2)
+    index = functools.partial(torch.empty, dtype=torch.int32, device="meta")
+    with captured_launches() as launches:
+        mla_decode_triton(torch.empty_like(q_latent), q_latent, q_pe, cache, index((num_reqs, 8)), index(num_reqs),
+                          index(num_reqs + 1), scale=0.1, fmt=fmt, k_scale=0.5)  # fmt: skip
+    return _only(launches)
+
+
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 HEAD_DIMS = (64, 96, 128)  # 96: not a power of two, the kernels mask the padded lanes
 INT64_SLOTS = 2**31 + 2**20  # a cache with more slots than int32 holds: Triton passes the count as int64
@@ -304,6 +323,15 @@ def _cases() -> dict[str, tuple[Callable[[], Launch], tuple[int, ...]]]:
             continue
         launch = functools.partial(write_mla_kv_launch, dtype, rank, rope_dim, slots)
         cases[f"write_mla_kv-{name}-l{rank}-r{rope_dim}-slots{slots}"] = (launch, ARCHS)
+    for (name, dtype), heads, rope_dim, fmt_name in (
+        *((d, 16, 64, None) for d in DTYPES.items()),
+        (("bf16", torch.bfloat16), 128, 64, None),
+        (("fp16", torch.float16), 16, 0, None),
+        (("bf16", torch.bfloat16), 16, 64, "e4m3"),
+        (("fp32", torch.float32), 16, 64, "e5m2"),
+    ):
+        launch = functools.partial(mla_decode_launch, dtype, heads, rope_dim, fmt_name)
+        cases[f"mla_decode-{name}-h{heads}-l512-r{rope_dim}-{fmt_name or 'auto'}"] = (launch, ARCHS)
     for num_tokens in (5, 8192):  # a tile below BLOCK_TOKENS and the full one
         cases[f"mrope_positions-t{num_tokens}"] = (functools.partial(mrope_launch, num_tokens), ARCHS)
     return cases
