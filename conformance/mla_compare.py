@@ -16,30 +16,19 @@ first k_scale.
 from __future__ import annotations
 
 import math
-import types
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 import spec
-from conformance.backends import BackendHandle
+from conformance.backends import BackendHandle, mla_kernels_of
 from conformance.scenario import AttentionSpec
 from conformance.tolerance import assert_attention_close, spec_in_dtype
 from spec.types import BatchInputs, KVCacheGroup
 
 if TYPE_CHECKING:
     from conformance.differential import Pair
-
-MLA_FUNCTIONS = ("write_mla_kv", "mla_decode_attention", "mla_prefill_attention")
-
-
-def mla_kernels_of(handle: BackendHandle) -> types.SimpleNamespace | None:
-    """The backend's MLA kernels (spec.MlaBackend, an optional part of a backend), or None if it lacks one."""
-    found = {name: getattr(handle.module, name, None) for name in MLA_FUNCTIONS}
-    if not all(callable(fn) for fn in found.values()):
-        return None
-    return types.SimpleNamespace(**found)
 
 
 def latent_cache(handle: BackendHandle, group: KVCacheGroup, attention: AttentionSpec) -> Any:
