@@ -22,14 +22,14 @@ import importlib
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import numpy as np
 
 import spec
 import spec.interop
 from spec.async_steps import PENDING_FIELDS
-from spec.protocol import Backend, StatePool
+from spec.protocol import Backend, MlaBackend, StatePool
 from spec.types import BatchInputs, PoolSnapshot, SchedulerOutput, WorkerConfig
 
 BATCH_ARRAY_FIELDS = (
@@ -211,6 +211,16 @@ def cross_attention_of(handle: BackendHandle) -> Callable[..., Any] | None:
         return cross_attention
     found = getattr(handle.module, "cross_attention", None)
     return found if callable(found) else None
+
+
+MLA_FUNCTIONS = ("write_mla_kv", "mla_decode_attention", "mla_prefill_attention")
+
+
+def mla_kernels_of(handle: BackendHandle) -> MlaBackend | None:
+    """The backend's MLA kernels (spec.MlaBackend, an optional part of a backend), or None if it lacks one."""
+    if not all(callable(getattr(handle.module, name, None)) for name in MLA_FUNCTIONS):
+        return None
+    return cast(MlaBackend, handle.module)
 
 
 INTEROP_FUNCTIONS = ("paged_kv_layout", "paged_attention", "sglang_layout", "flash_attn_metadata")

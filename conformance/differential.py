@@ -2,7 +2,8 @@
 
 After every step the two must agree exactly on `snapshot()`, on every `BatchInputs` field (values,
 dtypes, shapes), on the KV caches after `write_kv` of random keys/values, and, within
-conformance.tolerance's rule, on `paged_attention`. Invalid outputs must be rejected by both with the
+conformance.tolerance's rule, on `paged_attention` (an mla group: write_mla_kv and both MLA attention
+forms, conformance/mla_compare.py). Invalid outputs must be rejected by both with the
 same error class, leaving both snapshots unchanged. The reference is always spec; the scheduler model
 additionally checks the reference against its own bookkeeping (`expected_snapshot`).
 
@@ -22,6 +23,7 @@ import numpy as np
 
 import spec
 from conformance.backends import BackendHandle, cross_attention_of
+from conformance.mla_compare import compare_mla, latent_cache
 from conformance.scenario import AttentionSpec, Scenario
 from conformance.scheduler import ReferenceScheduler
 from conformance.tolerance import assert_attention_close, spec_in_dtype
@@ -71,10 +73,13 @@ class _Side:
         self.handle = handle
         self.pool = handle.make_pool(config)
         self.caches: list[tuple[Any, Any]] = []
+        self.latents: dict[int, Any] = {}  # group -> an mla group's latent cache (conformance/mla_compare.py)
         if attention is not None:
             for g in config.kv_groups:
+                if g.kind == "mla":
+                    self.latents[len(self.caches)] = latent_cache(handle, g, attention)
                 shape = (g.num_blocks, g.block_size, attention.num_kv_heads, attention.head_dim)
-                if g.kind == "mamba":  # holds states, not KV (spec/mamba.py): no cache to compare
+                if g.kind in ("mamba", "mla"):  # states (spec/mamba.py) or latents: no key and value caches
                     shape = (1, 1, attention.num_kv_heads, attention.head_dim)
                 # an fp8 scenario's self-attention groups hold uint8 codes; cross-attention reads the model's dtype
                 dtype = attention.cache_dtype if g.kind == "attention" else attention.dtype
@@ -187,6 +192,9 @@ class Pair:
                 self.compare_cross_attention(g, ref_batch, cand_batch)
                 continue
             if group.kind == "mamba":  # its state indices are compared with the batch; the state is the model's
+                continue
+            if group.kind == "mla":  # one latent cache, its own write and two attention forms
+                compare_mla(self, g, ref_batch, cand_batch)
                 continue
             to = self.cand.handle.asarray
             fp8, cand_fp8 = _fp8_arguments(att, np.asarray), _fp8_arguments(att, to)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from conformance.scheduler import SchedulerKnobs, Workload, make_workload
 from conformance.scheduler.encoder import ENCODER_DECODER_SHARE, with_encoder
 from conformance.scheduler.mamba import MAMBA_SHARE, with_mamba_group
+from conformance.scheduler.mla import MLA_SHARE, with_mla_groups
 from conformance.scheduler.mrope import with_position_tables
 from spec.types import KVCacheGroup, WorkerConfig
 
@@ -75,7 +76,8 @@ def min_blocks(config_max_model_len: int, block_size: int) -> int:
 
 
 def cache_elements(config: WorkerConfig, attention: AttentionSpec) -> int:
-    return sum(g.num_blocks * g.block_size for g in config.kv_groups) * attention.num_kv_heads * attention.head_dim
+    per_slot = attention.num_kv_heads * attention.head_dim  # an mla group's slot holds one latent entry instead
+    return sum(g.num_blocks * g.block_size * (g.latent_width or per_slot) for g in config.kv_groups)
 
 
 def random_scenario(
@@ -85,6 +87,7 @@ def random_scenario(
     hybrid: bool = False,
     multimodal: bool = False,
     async_scheduling: bool = False,
+    mla: bool = False,
 ) -> Scenario:
     """The scenario of `seed`; with `spec_decode` its scheduler also drafts (speculative decoding), in the
     same ranges as conformance.strategies. Without, a seed gives the scenario it gave before drafts existed,
@@ -92,7 +95,8 @@ def random_scenario(
     `encoder_decoder`, some seeds' models are encoder-decoders (conformance/scheduler/encoder.py); with `hybrid`,
     some seeds' models have a mamba group too (conformance/scheduler/mamba.py); with `multimodal`, some seeds'
     models use M-RoPE and some requests carry position tables (conformance/scheduler/mrope.py); with
-    `async_scheduling`, some seeds' steps are scheduled one ahead of their samples (spec/async_steps.py)."""
+    `async_scheduling`, some seeds' steps are scheduled one ahead of their samples (spec/async_steps.py); with
+    `mla`, some seeds' models keep their decoder's KV in a latent mla group (conformance/scheduler/mla.py)."""
     rng = random.Random(seed)
     max_model_len = rng.randint(2, MAX_MODEL_LEN)
     max_num_reqs = rng.randint(1, 8)
@@ -133,6 +137,7 @@ def random_scenario(
         rng.randint(1, 2), rng.randint(1, 2), rng.choice((2, 4, 8)), rng.choice(ATTENTION_DTYPES),
         rng.choice((None, None, 5.0)),
     )  # fmt: skip
+    drawn_attention = attention
     if attention is not None and cache_elements(config, attention) > KV_CACHE_ELEMENT_LIMIT:
         attention = None
     scenario_seed = rng.randrange(2**32)
@@ -151,6 +156,14 @@ def random_scenario(
     if rng.random() < MROPE_SHARE and multimodal:
         config = replace(config, uses_mrope=True)
         workload = with_position_tables(workload, rng.randrange(2**32))
+    if mla:  # its own random source, and before the groups below are added (they follow the decoder's)
+        mla_rng = random.Random(f"mla {seed}")
+        if mla_rng.random() < MLA_SHARE:  # spec/mla_cache.py
+            config = with_mla_groups(config, mla_rng)
+            if attention is None and drawn_attention is not None:  # the groups it was too large for are gone
+                attention = with_fp8_draw(drawn_attention, mla_rng)
+            if attention is not None and cache_elements(config, attention) > KV_CACHE_ELEMENT_LIMIT:
+                attention = None
     if encoder_decoder:  # its own random source: the draws above are the seed's with or without it
         encoder_rng = random.Random(f"encoder-decoder {seed}")
         if encoder_rng.random() < ENCODER_DECODER_SHARE:  # spec/cross_attention.py

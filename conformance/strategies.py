@@ -32,6 +32,7 @@ from conformance.scheduler import RequestShape, SchedulerKnobs, Workload, Worklo
 from conformance.scheduler.allocator import ALLOCATION_ORDERS
 from conformance.scheduler.encoder import with_encoder
 from conformance.scheduler.mamba import with_mamba_group
+from conformance.scheduler.mla import with_mla_groups
 from conformance.scheduler.mrope import with_position_tables
 from spec.errors import ALL_ERRORS, ScheduleError
 from spec.types import KVCacheGroup, WorkerConfig
@@ -138,8 +139,11 @@ def scenarios(
     max_model_len: int = MAX_MODEL_LEN,
     encoder_decoder: bool = True,
     hybrid: bool = True,
+    mla: bool = True,
 ) -> Scenario:
     config = draw(configs(max_groups, allow_huge, max_model_len))
+    if mla and draw(st.integers(0, 3)) == 0:  # an MLA model (spec/mla_cache.py): a latent group, maybe a windowed one
+        config = with_mla_groups(config, random.Random(draw(st.integers(0, 2**32 - 1))))
     workload = draw(workloads(config, max_requests))
     if draw(st.booleans()):  # a multimodal model (spec/mrope.py): position tables on some requests
         config = replace(config, uses_mrope=True)

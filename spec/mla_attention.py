@@ -80,7 +80,7 @@ def mla_decode_attention(
     ):
         latents, k_pe = entries[:, :rank], entries[:, rank:]  # [k, L], [k, R]
         logits = np.einsum("qhl,kl->hqk", q_latent[q_start:q_end], latents)
-        logits = (logits + np.einsum("qhr,kr->hqk", q_pe[q_start:q_end], k_pe)) * dtype(scale)
+        logits = (logits + _rope_logits(q_pe[q_start:q_end], k_pe)) * dtype(scale)
         result[q_start:q_end] = np.einsum("hqk,kl->qhl", _softmax(logits, visible, dtype), latents)
     return result
 
@@ -115,7 +115,7 @@ def mla_prefill_attention(
         keys = np.einsum("kl,lhp->khp", latents, w_uk)  # [k, H, P] each head's no-RoPE key
         values = np.einsum("kl,lhv->khv", latents, w_uv)  # [k, H, V]
         logits = np.einsum("qhp,khp->hqk", q_nope[q_start:q_end], keys)
-        logits = (logits + np.einsum("qhr,kr->hqk", q_pe[q_start:q_end], k_pe)) * dtype(scale)  # k_pe: every head's
+        logits = (logits + _rope_logits(q_pe[q_start:q_end], k_pe)) * dtype(scale)  # k_pe: every head's
         result[q_start:q_end] = np.einsum("hqk,khv->qhv", _softmax(logits, visible, dtype), values)
     return result
 
@@ -140,6 +140,15 @@ def _rows(
         if fmt is not None:  # codes -> the values they stand for, in the query's dtype
             entries = dequantize(entries, fmt, np.asarray(k_scale), query.dtype.type)
         yield q_start, q_end, k_pos[None, :] <= q_pos[:, None], entries
+
+
+def _rope_logits(q_pe: np.ndarray, k_pe: np.ndarray) -> np.ndarray:  # [q, H, R], [k, R] -> [H, q, k]
+    """The RoPE part's logits, shared k_pe against each head's q_pe; zeros for a NoPE latent (R = 0). Spelled out
+    because NumPy's einsum over an empty contraction is not reliably zero: in the differential suite it returned
+    NaN (uninitialized float16 memory) for gathered latent entries."""
+    if k_pe.shape[1] == 0:
+        return np.zeros((q_pe.shape[1], q_pe.shape[0], k_pe.shape[0]), q_pe.dtype)
+    return np.einsum("qhr,kr->hqk", q_pe, k_pe)
 
 
 def _softmax(logits: np.ndarray, visible: np.ndarray, dtype: type) -> np.ndarray:  # [H, q, k]

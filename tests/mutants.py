@@ -37,6 +37,14 @@ ASYNC_FAULTS = "conformance/test_async_faults.py"
 CROSS = "conformance/test_cross_attention.py"
 MROPE = "conformance/test_mrope.py"
 ONE_POOL = "conformance/test_one_pool.py"
+MLA_UNIT = "tests/test_mla.py"
+MLA_SPLIT = "tests/test_mla_split.py"
+MLA_SUITE = "conformance/test_mla.py"
+TINY_MLA = "tests/test_tiny_mla.py"
+# MLA attention's read of a cache entry: the latent, then the RoPE part at offset kv_lora_rank; the bug reads the
+# RoPE part from the entry's start (the latent's first rope_dim elements)
+ROPE_READ = "        latents, k_pe = entries[:, :rank], entries[:, rank:]  # [k, L], [k, R]\n"
+ROPE_AT_LATENT = "        latents, k_pe = entries[:, :rank], entries[:, : entries.shape[1] - rank]  # [k, L], [k, R]\n"
 
 MUTANTS: tuple[Mutant, ...] = (
     Mutant(
@@ -647,5 +655,71 @@ MUTANTS: tuple[Mutant, ...] = (
         "        if c == 0 or c > 1 + k or known + c > max_len:",
         "        if c == 0 or c > 1 + k:",
         ("conformance/test_sampled_faults.py",),
+    ),
+    Mutant(
+        "mla-write-parts-swapped-spec",
+        "MLA write: an entry is kv_c then k_pe (concat_and_cache_mla), latent first",
+        "spec/mla_cache.py",
+        "entries = np.concatenate([kv_c, k_pe], axis=1)",
+        "entries = np.concatenate([k_pe, kv_c], axis=1)",
+        (MLA_UNIT, TINY_MLA),
+    ),
+    Mutant(
+        "mla-write-parts-swapped-fast",
+        "MLA write: an entry is kv_c then k_pe (concat_and_cache_mla), latent first",
+        "fast/mla_cache.py",
+        "    entries = torch.cat([kv_c, k_pe], dim=1)  # [T, kv_lora_rank + rope_dim], latent first",
+        "    entries = torch.cat([k_pe, kv_c], dim=1)  # [T, kv_lora_rank + rope_dim], latent first",
+        (MLA_UNIT, MLA_SUITE),
+    ),
+    Mutant(
+        "mla-write-parts-swapped-kernel",
+        "MLA write: an entry is kv_c then k_pe (concat_and_cache_mla), latent first",
+        "fast/kernels/mla_cache.py",
+        "    tl.store(entry + lanes_l, latent, mask=lanes_l < rank)  # the latent first, then the RoPE part\n"
+        "    tl.store(entry + rank + lanes_r, rope, mask=lanes_r < rope_dim)",
+        "    tl.store(entry + rope_dim + lanes_l, latent, mask=lanes_l < rank)\n"
+        "    tl.store(entry + lanes_r, rope, mask=lanes_r < rope_dim)",
+        (MLA_UNIT,),
+    ),
+    Mutant(
+        "mla-decode-rope-read-at-the-latent-spec",
+        "MLA attention: the RoPE key part is read at offset kv_lora_rank of the entry",
+        "spec/mla_attention.py",
+        ROPE_READ + '        logits = np.einsum("qhl,kl->hqk"',
+        ROPE_AT_LATENT + '        logits = np.einsum("qhl,kl->hqk"',
+        (MLA_UNIT, TINY_MLA),
+    ),
+    Mutant(
+        "mla-prefill-rope-read-at-the-latent-spec",
+        "MLA attention: the RoPE key part is read at offset kv_lora_rank of the entry",
+        "spec/mla_attention.py",
+        ROPE_READ + "        keys = np.einsum(",
+        ROPE_AT_LATENT + "        keys = np.einsum(",
+        (MLA_UNIT, TINY_MLA),
+    ),
+    Mutant(
+        "mla-decode-rope-read-at-the-latent-fast",
+        "MLA attention: the RoPE key part is read at offset kv_lora_rank of the entry",
+        "fast/mla_attention.py",
+        ROPE_READ + '        logits = torch.einsum("qhl,kl->hqk"',
+        ROPE_AT_LATENT + '        logits = torch.einsum("qhl,kl->hqk"',
+        (MLA_UNIT, MLA_SUITE),
+    ),
+    Mutant(
+        "mla-prefill-rope-read-at-the-latent-fast",
+        "MLA attention: the RoPE key part is read at offset kv_lora_rank of the entry",
+        "fast/mla_attention.py",
+        ROPE_READ + "        keys = torch.einsum(",
+        ROPE_AT_LATENT + "        keys = torch.einsum(",
+        (MLA_UNIT, MLA_SUITE),
+    ),
+    Mutant(
+        "mla-split-decode-threshold-exclusive",
+        "MLA split: a decode is a row of at most reorder_batch_threshold tokens (1 + K: a verify row included)",
+        "spec/mla_split.py",
+        "short = lens <= reorder_batch_threshold",
+        "short = lens < reorder_batch_threshold",
+        (MLA_SPLIT,),
     ),
 )

@@ -119,7 +119,7 @@ def common_prefix_blocks(sched: ReferenceScheduler) -> list[int]:
     """Per group, the leading blocks every running request holds in common (0 for per-request groups)."""
     counts = []
     for g, group in enumerate(sched.groups):
-        if group.kind != "attention" or not sched.running:
+        if group.kind not in ("attention", "mla") or not sched.running:  # mla: vLLM's FullAttentionManager's
             counts.append(0)
             continue
         n = 0
