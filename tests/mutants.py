@@ -701,9 +701,17 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "mla-decode-rope-read-at-the-latent-fast",
         "MLA attention: the RoPE key part is read at offset kv_lora_rank of the entry",
+        "fast/kernels/mla_attention.py",
+        "pe = tl.load(entry[:, None] + rank + rope[None, :],",
+        "pe = tl.load(entry[:, None] + rope[None, :],",
+        (MLA_UNIT, MLA_SUITE),
+    ),
+    Mutant(
+        "mla-decode-query-parts-swapped-fast-host",
+        "MLA attention: fast's CPU decode concatenates the query's two parts in the wrong order",
         "fast/mla_attention.py",
-        ROPE_READ + '        logits = torch.einsum("qhl,kl->hqk"',
-        ROPE_AT_LATENT + '        logits = torch.einsum("qhl,kl->hqk"',
+        "torch.cat((as_float32(q_latent.detach()), as_float32(q_pe.detach())), dim=2)",
+        "torch.cat((as_float32(q_pe.detach()), as_float32(q_latent.detach())), dim=2)",
         (MLA_UNIT, MLA_SUITE),
     ),
     Mutant(
