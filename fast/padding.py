@@ -32,7 +32,12 @@ class PaddedRows:
 
     def _buffer(self, key: str, array: torch.Tensor, rows: int) -> torch.Tensor:
         buffer = self._buffers.get(key)
-        if buffer is None or buffer.shape[0] < rows or buffer.shape[1:] != array.shape[1:] or buffer.dtype != array.dtype:
+        if (
+            buffer is None
+            or buffer.shape[0] < rows
+            or buffer.shape[1:] != array.shape[1:]
+            or buffer.dtype != array.dtype
+        ):
             size = max(rows, self.min_rows, 0 if buffer is None else 2 * buffer.shape[0])
             buffer = torch.empty((size, *array.shape[1:]), dtype=array.dtype, device=self.device)
             self._buffers[key] = buffer

@@ -41,8 +41,8 @@ from fast.batch import batch_order
 from fast.classify import classify
 from fast.drafts import SamplerFields, store_drafts
 from fast.fallback import Fallback
-from fast.graphs import CapturedGraphs, dispatch
 from fast.feature import Placement
+from fast.graphs import CapturedGraphs, dispatch
 from fast.host_prepare import HostBatch
 from fast.kernel_prepare import DeviceBatch
 from fast.model_kinds import fast_features_for
@@ -53,9 +53,9 @@ from fast.state import DeviceState, HostMirror, write_prompts
 from fast.step_modes import host_array, step_mode
 from fast.validate import MAX_OWNER_MAP, plan_bulk_step
 from fast.writes import apply_writes, step_writes
+from spec.classify import step_decode_query_len
 from spec.errors import InconsistentSchedulerOutputError, UnknownRequestError
 from spec.feature import Feature, find
-from spec.classify import step_decode_query_len
 from spec.padding import pad_request_rows
 from spec.pool import check_graphs_choice, check_last_applied, padded_tokens
 from spec.state import PoolState, StepPlan

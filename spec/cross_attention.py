@@ -202,7 +202,9 @@ class CrossAttention(Feature):
         written, gains nothing."""
         return CrossInputs(
             encoder_seq_lens=pad_rows("encoder_seq_lens", record.encoder_seq_lens, num_reqs_padded, 0),
-            scheduled_encoder_lens=pad_rows("scheduled_encoder_lens", record.scheduled_encoder_lens, num_reqs_padded, 0),
+            scheduled_encoder_lens=pad_rows(
+                "scheduled_encoder_lens", record.scheduled_encoder_lens, num_reqs_padded, 0
+            ),
             cross_slot_mapping=record.cross_slot_mapping,
         )
 

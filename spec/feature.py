@@ -102,7 +102,6 @@ class Feature(abc.ABC):
 
         `order` [num_reqs] batch_idx -> index in the plan's scheduler order (None: the same order)."""
 
-
     @abc.abstractmethod
     def pad(self, record: Any, num_reqs_padded: int, pad_rows: Callable[[str, Any, int, Any], Any]) -> Any:
         """The feature's record with its request rows padded to `num_reqs_padded` (spec/padding.py): what a padded

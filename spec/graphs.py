@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 from spec.classify import RowClasses
 from spec.padding_profiles import FLASH_ATTENTION, PaddingProfile
@@ -56,7 +57,7 @@ class CapturedGraphs:
         sizes = self.capture_sizes
         if any(s < 1 for s in sizes):
             raise ValueError(f"CapturedGraphs.capture_sizes must be positive, got {list(sizes)}")
-        if any(b <= a for a, b in zip(sizes, sizes[1:], strict=False)):
+        if any(b <= a for a, b in pairwise(sizes)):
             raise ValueError(f"CapturedGraphs.capture_sizes must be ascending with no repeat, got {list(sizes)}")
         if self.mode not in GRAPH_MODES:
             raise ValueError(f"CapturedGraphs.mode must be one of {GRAPH_MODES}, got {self.mode!r}")
