@@ -313,3 +313,34 @@ def test_a_real_batch_padded_to_a_peers_count_writes_only_its_own_slots() -> Non
 def test_dummy_batch_refuses_a_bad_count() -> None:
     with pytest.raises(ValueError, match="num_tokens"):
         dummy_batch(CONFIG, -1)
+
+
+# ---- the model kinds' padded rows (Feature.pad) -----------------------------------------------------------------
+def test_feature_records_pad_their_rows_by_hand() -> None:
+    from spec.cross_attention import CrossAttention, CrossInputs
+    from spec.mamba import Mamba, StateIndices
+    from spec.padding import pad_rows
+
+    mamba_group = KVCacheGroup(32, 9, kind="mamba", num_speculative_blocks=1)
+    hybrid = WorkerConfig(8, 32, 64, 50, kv_groups=(KVCacheGroup(4, 40), mamba_group))
+    record = StateIndices(
+        mamba_state_indices=(None, np.array([[3, 4], [5, -1]], np.int32)),
+        mamba_prev_state_indices=(None, np.array([2, -1], np.int32)),
+        is_prefilling=np.array([True, False]),
+        num_accepted_tokens=np.array([2, 1], np.int32),
+    )
+    got = Mamba(hybrid).pad(record, 4, pad_rows)
+    assert got.mamba_state_indices[0] is None and got.mamba_prev_state_indices[0] is None
+    assert got.mamba_state_indices[1].tolist() == [[3, 4], [5, -1], [-1, -1], [-1, -1]]
+    assert got.mamba_prev_state_indices[1].tolist() == [2, -1, -1, -1]
+    assert got.is_prefilling.tolist() == [True, False, False, False]
+    assert got.num_accepted_tokens.tolist() == [2, 1, 1, 1]
+
+    cross = WorkerConfig(8, 32, 64, 50, kv_groups=(KVCacheGroup(4, 40), KVCacheGroup(4, 40, kind="cross_attention")),
+                         max_encoder_len=12)  # fmt: skip
+    slots = np.array([8, 9, 10], np.int64)
+    padded = CrossAttention(cross).pad(
+        CrossInputs(np.array([3], np.int32), np.array([3], np.int32), slots), 3, pad_rows
+    )
+    assert padded.encoder_seq_lens.tolist() == [3, 0, 0] and padded.scheduled_encoder_lens.tolist() == [3, 0, 0]
+    assert padded.cross_slot_mapping.tolist() == [8, 9, 10]  # per encoder token written: nothing to pad
