@@ -29,6 +29,7 @@ import numpy as np
 import spec
 import spec.interop
 from spec.async_steps import PENDING_FIELDS
+from spec.graphs import CapturedGraphs
 from spec.protocol import Backend, MlaBackend, StatePool
 from spec.types import BatchInputs, PoolSnapshot, SchedulerOutput, WorkerConfig
 
@@ -100,7 +101,22 @@ class BackendHandle:
             out[name] = None if value is None else self.to_numpy(value)
         mrope = getattr(batch, "mrope_positions", None)  # spec/mrope.py: None for a model without M-RoPE
         out["mrope_positions"] = None if mrope is None else self.to_numpy(mrope)
+        out.update(classes_to_numpy(batch.row_classes, self.to_numpy))  # spec/classify.py: every prepare sets it
+        out["descriptor"] = batch.descriptor  # spec/graphs.py: None unless prepared with graphs
         return out
+
+
+def classes_to_numpy(classes: Any, convert: Callable[[Any], np.ndarray]) -> dict[str, Any]:
+    """A batch's RowClasses as comparable fields (`row_classes.<name>`); all None for a batch without one."""
+    names = ("is_prefilling", "is_decode", "decode_query_len", "uniform_decode", "max_query_len", "num_decodes",
+             "num_decode_tokens")  # fmt: skip
+    if classes is None:
+        return {f"row_classes.{name}": None for name in names}
+    return {
+        f"row_classes.{name}": convert(value) if name.startswith("is_") else value
+        for name in names
+        for value in [getattr(classes, name)]
+    }
 
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -133,9 +149,11 @@ class _ModePool:
         with _mode(self._enabled):
             self._pool.apply(sched)
 
-    def prepare(self, sched: SchedulerOutput, pad_to: int | None = None) -> BatchInputs:
+    def prepare(
+        self, sched: SchedulerOutput, pad_to: int | None = None, *, graphs: CapturedGraphs | None = None
+    ) -> BatchInputs:
         with _mode(self._enabled):
-            return self._pool.prepare(sched, pad_to)
+            return self._pool.prepare(sched, pad_to, graphs=graphs)
 
     def record_sampled(self, batch: BatchInputs, sampled_token_ids: Any, next_draft_ids: Any = None) -> None:
         with _mode(self._enabled):

@@ -29,6 +29,7 @@ from conformance.backends import BackendHandle
 from conformance.differential import MismatchError
 from shadow.compare import copy_batch, differing_fields
 from spec.errors import InconsistentSchedulerOutputError, ScheduleError, UnknownRequestError
+from spec.graphs import CapturedGraphs
 from spec.protocol import StatePool
 from spec.types import BatchInputs, PoolSnapshot, SchedulerOutput
 
@@ -92,11 +93,13 @@ class ProbedPool:
         self.pool.apply(sched)
         self.applied = [*self.applied[-1:], sched]
 
-    def prepare(self, sched: SchedulerOutput, pad_to: int | None = None) -> BatchInputs:
+    def prepare(
+        self, sched: SchedulerOutput, pad_to: int | None = None, *, graphs: CapturedGraphs | None = None
+    ) -> BatchInputs:
         counts = sched.num_scheduled_tokens
         if isinstance(counts, dict) and counts and self.rng.random() < self.rate:
             self._probe_mutation(sched, counts, pad_to)
-        batch = self.pool.prepare(sched, pad_to)
+        batch = self.pool.prepare(sched, pad_to, graphs=graphs)
         if self.rng.random() < self.rate:
             self._probe_misuse(sched, batch)
         return batch

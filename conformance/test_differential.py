@@ -19,6 +19,7 @@ from conformance.differential import DifferentialRun, MismatchError, budget_for,
 from conformance.scenario import Scenario, random_scenario
 from conformance.scheduler import SchedulerKnobs, make_workload
 from conformance.strategies import scenarios
+from spec.graphs import CapturedGraphs
 from spec.types import BatchInputs, KVCacheGroup, SchedulerOutput, WorkerConfig
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conformance/pytest_plugin.py
@@ -50,8 +51,10 @@ def test_backends_agree_on_every_step(backend: BackendHandle, conformance_scale:
 class _PowerOfTwoOffsetPool(spec.RequestStatePool):
     """spec with a classic bug: the slot offset taken as `position & (block_size - 1)` (right for powers of two)."""
 
-    def prepare(self, sched: SchedulerOutput, pad_to: int | None = None) -> BatchInputs:
-        batch = super().prepare(sched, pad_to)
+    def prepare(
+        self, sched: SchedulerOutput, pad_to: int | None = None, *, graphs: CapturedGraphs | None = None
+    ) -> BatchInputs:
+        batch = super().prepare(sched, pad_to, graphs=graphs)
         slots = []
         for mapping, group in zip(batch.slot_mappings, self.config.kv_groups, strict=True):
             bs, real = group.block_size, mapping != -1

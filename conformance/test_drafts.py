@@ -22,6 +22,7 @@ from conformance.mutations_drafts import DRAFT_BREAKERS, break_drafts
 from conformance.scenario import random_scenario
 from shadow.compare import batch_differences
 from spec import CachedRequest, KVCacheGroup, NewRequest, SchedulerOutput, WorkerConfig
+from spec.graphs import CapturedGraphs
 from spec.protocol import StatePool
 
 CONFIG = WorkerConfig(4, 12, 64, 100, (KVCacheGroup(4, 32),))
@@ -280,8 +281,10 @@ def test_every_draft_fault_is_provoked_and_survived(backend: BackendHandle, cls:
 class _DraftsNotStoredPool(spec.RequestStatePool):
     """spec with a classic bug: draft positions read the token storage (where nobody wrote the drafts)."""
 
-    def prepare(self, sched: SchedulerOutput, pad_to: int | None = None) -> spec.BatchInputs:
-        batch = super().prepare(sched, pad_to)
+    def prepare(
+        self, sched: SchedulerOutput, pad_to: int | None = None, *, graphs: CapturedGraphs | None = None
+    ) -> spec.BatchInputs:
+        batch = super().prepare(sched, pad_to, graphs=graphs)
         if batch.num_draft_tokens is not None:
             ends = batch.query_start_loc[1:]
             for b, k in enumerate(batch.num_draft_tokens.tolist()):

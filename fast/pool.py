@@ -38,21 +38,26 @@ import numpy as np
 import torch
 
 from fast.batch import batch_order
+from fast.classify import classify
 from fast.drafts import SamplerFields, store_drafts
 from fast.fallback import Fallback
 from fast.feature import Placement
+from fast.graphs import CapturedGraphs, dispatch
 from fast.host_prepare import HostBatch
 from fast.kernel_prepare import DeviceBatch
 from fast.model_kinds import fast_features_for
+from fast.padding import PaddedRows
 from fast.released import ReleasedTails
 from fast.runtime import interpret, interpret_enabled, use_triton
 from fast.state import DeviceState, HostMirror, write_prompts
 from fast.step_modes import host_array, step_mode
 from fast.validate import MAX_OWNER_MAP, plan_bulk_step
 from fast.writes import apply_writes, step_writes
+from spec.classify import step_decode_query_len
 from spec.errors import InconsistentSchedulerOutputError, UnknownRequestError
 from spec.feature import Feature, find
-from spec.pool import check_last_applied, padded_tokens
+from spec.padding import pad_request_rows
+from spec.pool import check_graphs_choice, check_last_applied, padded_tokens
 from spec.state import PoolState, StepPlan
 from spec.types import BatchInputs, PoolSnapshot, RowSnapshot, SchedulerOutput, WorkerConfig
 from spec.validate import plan_step
@@ -86,6 +91,8 @@ class RequestStatePool:
         # memory in host mode (fast/host_prepare.py), one launch into device buffers under Triton (kernel_prepare.py)
         self._batch_buffers = HostBatch() if self.host_mode else DeviceBatch(self.dev, self._interpret)
         self._sampler = SamplerFields()  # a drafting step's sampler fields (fast/drafts.py)
+        # the padded request rows of a batch prepared with graphs (fast/padding.py), reused from step to step
+        self._padded_rows = PaddedRows(self.device, config.max_num_reqs + 1)
         self._applied: SchedulerOutput | None = None
         self._plan: StepPlan | None = None  # the applied output as validated: all prepare reads of it
         self._prepared: BatchInputs | None = None  # the batch record_sampled may take
@@ -140,21 +147,28 @@ class RequestStatePool:
         self.mode.after_commit(state, plan)  # async: the device corrects what the scheduler counted optimistically
 
     # ---- prepare -----------------------------------------------------------------------------------
-    def prepare(self, sched: SchedulerOutput, pad_to: int | None = None) -> BatchInputs:
+    def prepare(
+        self, sched: SchedulerOutput, pad_to: int | None = None, *, graphs: CapturedGraphs | None = None
+    ) -> BatchInputs:
         plan = check_last_applied(sched, self._applied, self._plan)
+        check_graphs_choice(pad_to, graphs)
         # from here on in batch order: index_mapping [num_reqs] batch_idx -> req_state_idx
         order, index_mapping, num_scheduled = batch_order(plan.rows, plan.num_scheduled)
         req_ids = plan.req_ids if order is None else itemgetter(*order)(plan.req_ids)  # order: 2+ entries
         cu_num_tokens = num_scheduled.cumsum()  # [num_reqs] int64
         num_tokens = int(cu_num_tokens[-1]) if index_mapping.size else 0
-        padded = padded_tokens(pad_to, num_tokens)
         # [num_reqs] int64 as the host counts (optimistically, under async scheduling: spec/async_steps.py)
         computed = plan.num_computed if order is None else plan.num_computed[order]
         seq_lens = computed + num_scheduled
+        decode_query_len = step_decode_query_len(plan.num_drafts) if graphs is None else graphs.uniform_decode_query_len
+        classes = classify(num_scheduled, computed, self.state.prompt_lens[index_mapping], decode_query_len)
+        descriptor = None if graphs is None else dispatch(graphs, num_tokens, len(req_ids), classes)
+        padded = padded_tokens(pad_to, num_tokens) if descriptor is None else descriptor.num_tokens
         # fields beyond the plain batch's: a drafting step's sampler indices, async scheduling's pending tokens
         fields: dict[str, Any] = self.mode.batch_fields(
             self.state, index_mapping, computed, cu_num_tokens, num_scheduled
         )
+        fields = fields | {"row_classes": classes} if fields else {"row_classes": classes}
         drafts = None
         if plan.num_drafts is not None:  # input ids are right already (apply stored the drafts): add the indices
             sampler, drafts = self._sampler.build(cu_num_tokens, plan.num_drafts, plan.draft_ids, order, self.device)
@@ -168,6 +182,8 @@ class RequestStatePool:
         if self.features:  # the model kind's records of the batch (fast/feature.py)
             records = tuple(f.prepare(self.state, plan, batch, order) for f in self.features)
             batch = dataclasses.replace(batch, features=records)
+        if graphs is not None and descriptor is not None:  # the request rows the graph replays, in reused buffers
+            batch = pad_request_rows(batch, descriptor, graphs.profile, self.features, self._padded_rows)
         self._prepared_drafts = drafts
         self._prepared = batch
         self._prepared_rows_np = index_mapping
@@ -192,8 +208,8 @@ class RequestStatePool:
             return False
         return (
             tuple(batch.req_ids) == prepared.req_ids
-            and np.array_equal(host_array(batch.index_mapping), self._prepared_rows_np)
-            and np.array_equal(host_array(batch.seq_lens), self._prepared_seq_lens_np)
+            and np.array_equal(host_array(batch.index_mapping)[: batch.num_reqs], self._prepared_rows_np)
+            and np.array_equal(host_array(batch.seq_lens)[: batch.num_reqs], self._prepared_seq_lens_np)
         )
 
     # ---- inspection ----------------------------------------------------------------------------------

@@ -21,10 +21,12 @@ from spec.errors import (
     UnknownRequestError,
     UnknownTokenError,
 )
+from spec.graphs import BatchDescriptor, CapturedGraphs
 from spec.kv_cache import write_kv
 from spec.mla_attention import mla_decode_attention, mla_prefill_attention
 from spec.mla_cache import mla_cache_shape, write_mla_kv
 from spec.mla_split import MlaBatchSplit, split_mla_batch
+from spec.padding_profiles import PaddingProfile
 from spec.pool import RequestStatePool
 from spec.protocol import Backend, MlaBackend, SparseBackend, StatePool
 from spec.sparse_attention import sparse_paged_attention
@@ -47,10 +49,12 @@ __all__ = [
     "NULL_BLOCK_ID",
     "PAD_SLOT_ID",
     "Backend",
+    "BatchDescriptor",
     "BatchInputs",
     "BlockIdError",
     "BlockTableOverflowError",
     "CachedRequest",
+    "CapturedGraphs",
     "DuplicateRequestError",
     "DuplicateSlotError",
     "InconsistentSchedulerOutputError",
@@ -61,6 +65,7 @@ __all__ = [
     "ModelLengthError",
     "NewRequest",
     "NullBlockError",
+    "PaddingProfile",
     "PoolFullError",
     "PoolSnapshot",
     "RequestStatePool",

@@ -24,7 +24,7 @@ Running the encoder is the model's job: slotmap says where its output goes and w
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -195,6 +195,17 @@ class CrossAttention(Feature):
             self.encoder_lens,
             state.num_computed_tokens,
             block_size,
+        )
+
+    def pad(self, record: CrossInputs, num_reqs_padded: int, pad_rows: Callable[[str, Any, int, Any], Any]) -> Any:
+        """A padded row has no encoder output (length 0) and writes none; cross_slot_mapping, per encoder token
+        written, gains nothing."""
+        return CrossInputs(
+            encoder_seq_lens=pad_rows("encoder_seq_lens", record.encoder_seq_lens, num_reqs_padded, 0),
+            scheduled_encoder_lens=pad_rows(
+                "scheduled_encoder_lens", record.scheduled_encoder_lens, num_reqs_padded, 0
+            ),
+            cross_slot_mapping=record.cross_slot_mapping,
         )
 
 

@@ -13,6 +13,7 @@ has, and never asks which feature it is calling:
                plan      feature.plan                    its part of the StepPlan, frozen (plan.features[name])
     commit               feature.commit                  its per-row state, after the core's commit
     prepare              feature.prepare                 its record of the batch (BatchInputs.features)
+               graphs    feature.pad                     its record's padded request rows (spec/padding.py)
 
 A model without features (a plain decoder) runs none of the per-pool hooks: `spec.model_kinds.features_for`
 gives it none. The class-level checks run for every known feature, since a request may bring, say, an
@@ -27,7 +28,7 @@ the core, as in vLLM's input batch.
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import numpy as np
@@ -100,6 +101,12 @@ class Feature(abc.ABC):
         """The feature's record of the batch (one entry of BatchInputs.features), from the core's batch.
 
         `order` [num_reqs] batch_idx -> index in the plan's scheduler order (None: the same order)."""
+
+    @abc.abstractmethod
+    def pad(self, record: Any, num_reqs_padded: int, pad_rows: Callable[[str, Any, int, Any], Any]) -> Any:
+        """The feature's record with its request rows padded to `num_reqs_padded` (spec/padding.py): what a padded
+        row of a FULL graph holds in each of its fields. `pad_rows(key, array, rows, value)` is the backend's row
+        padder (spec.padding.pad_rows; fast's keeps a buffer per key); token-indexed fields are already padded."""
 
 
 def group_rules(config: WorkerConfig, features: Sequence[Feature]) -> tuple[GroupRules, ...]:

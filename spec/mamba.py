@@ -51,6 +51,7 @@ a step write one state block.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -365,6 +366,22 @@ class Mamba(Feature):
             num_computed,
             in_batch_order(drafts, order),
             batch_steps(steps, order),
+        )
+
+    def pad(self, record: StateIndices, num_reqs_padded: int, pad_rows: Callable[[str, Any, int, Any], Any]) -> Any:
+        """Padded rows read and write no state (NO_STATE: vLLM's mamba builders pad state indices with PAD_SLOT_ID),
+        are not prefilling (vLLM zeroes is_prefilling past num_reqs) and keep 1 accepted token (vLLM's fill(1))."""
+        n = num_reqs_padded
+
+        def per_group(name: str, arrays: tuple[Any, ...]) -> tuple[Any, ...]:
+            return tuple(None if a is None else pad_rows(f"{name}/{g}", a, n, NO_STATE) for g, a in enumerate(arrays))
+
+        accepted = record.num_accepted_tokens
+        return StateIndices(
+            mamba_state_indices=per_group("mamba_state_indices", record.mamba_state_indices),
+            mamba_prev_state_indices=per_group("mamba_prev_state_indices", record.mamba_prev_state_indices),
+            is_prefilling=pad_rows("mamba_is_prefilling", record.is_prefilling, n, False),
+            num_accepted_tokens=None if accepted is None else pad_rows("num_accepted_tokens", accepted, n, 1),
         )
 
 

@@ -29,7 +29,7 @@ not slotmap's: slotmap stores the table it is given and cuts each step's positio
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -226,3 +226,7 @@ class MRope(Feature):
         token_rows = np.repeat(np.asarray(batch.index_mapping, np.int64), batch.num_scheduled_tokens)  # [num_tokens]
         rows: MRopeRows = self.rows  # type: ignore[assignment]  # spec's pool keeps spec's rows
         return MRopeInputs(rows.positions(batch.positions, token_rows))
+
+    def pad(self, record: MRopeInputs, num_reqs_padded: int, pad_rows: Callable[[str, Any, int, Any], Any]) -> Any:
+        """M-RoPE's record is per token ([3, T], 0 past the real tokens since prepare padded T): no request row."""
+        return record

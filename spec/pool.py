@@ -18,11 +18,14 @@ from typing import Any, TypeVar
 import numpy as np
 
 from spec.batch import batch_order
+from spec.classify import classify, step_decode_query_len
 from spec.drafts import DraftLogits, accepted_rows, draft_logits, draft_token_indices, proposed_ids
 from spec.errors import InconsistentSchedulerOutputError, UnknownRequestError
 from spec.feature import Feature, find, group_rules
 from spec.flatten import flatten
+from spec.graphs import CapturedGraphs, dispatch
 from spec.model_kinds import features_for
+from spec.padding import pad_request_rows
 from spec.slots import gather_block_tables
 from spec.state import PoolState, StepPlan
 from spec.step_modes import step_mode
@@ -70,17 +73,28 @@ class RequestStatePool:
             self.token_ids[row, :length] = plan.prompt_tokens[start : start + length]
         self._applied, self._plan, self._prepared = sched, plan, None
 
-    def prepare(self, sched: SchedulerOutput, pad_to: int | None = None) -> BatchInputs:
+    def prepare(
+        self, sched: SchedulerOutput, pad_to: int | None = None, *, graphs: CapturedGraphs | None = None
+    ) -> BatchInputs:
+        """The step's batch. `pad_to` pads its tokens to a count (a DP peer's, spec/dummy.py); `graphs` instead
+        picks the captured graph it runs (spec/graphs.py) and pads tokens and request rows for it (spec/padding.py)."""
         plan = check_last_applied(sched, self._applied, self._plan)
+        check_graphs_choice(pad_to, graphs)
         num_tokens = int(plan.num_scheduled.sum())
-        padded = padded_tokens(pad_to, num_tokens)
         scheduled = list(zip(plan.req_ids, plan.num_scheduled.tolist(), strict=True))  # scheduler order
         req_ids, index_mapping, num_scheduled = batch_order(scheduled, self.state.row_of)
-        flat = flatten(index_mapping, num_scheduled, self.state.num_computed_tokens, self.token_ids, padded)
         no_drafts = np.zeros(0, TOKEN_STORAGE_DTYPE)
         drafts_of = plan.drafts_of()
         drafts = [drafts_of.get(r, no_drafts) for r in req_ids]  # [num_reqs] per batch row
         num_drafts = np.array([d.size for d in drafts], INDEX_DTYPE)  # [num_reqs]
+        state = self.state
+        decode_query_len = step_decode_query_len(num_drafts) if graphs is None else graphs.uniform_decode_query_len
+        classes = classify(  # by progress (spec/classify.py): decides the graph below
+            num_scheduled, state.num_computed_tokens[index_mapping], state.prompt_lens[index_mapping], decode_query_len
+        )
+        descriptor = None if graphs is None else dispatch(graphs, num_tokens, len(req_ids), classes)
+        padded = padded_tokens(pad_to, num_tokens) if descriptor is None else descriptor.num_tokens
+        flat = flatten(index_mapping, num_scheduled, self.state.num_computed_tokens, self.token_ids, padded)
         draft_ids = np.concatenate([no_drafts, *drafts])  # [num_drafts] batch order
         sampler = draft_logits(flat.query_start_loc, num_drafts, draft_ids) if drafts_of else None
         if sampler is not None:  # the draft positions lie past the known tokens: their ids are the drafts
@@ -102,6 +116,7 @@ class RequestStatePool:
             ),
             num_tokens=num_tokens,
             num_tokens_padded=padded,
+            row_classes=classes,
             **({} if sampler is None else _sampler_fields(sampler)),
             **self.mode.batch_fields(self.state, index_mapping, flat.query_start_loc, num_scheduled),
         )
@@ -110,6 +125,8 @@ class RequestStatePool:
             order = np.array([at[r] for r in req_ids], np.int64)  # [num_reqs] batch_idx -> scheduler index
             records = tuple(f.prepare(self.state, plan, batch, order) for f in self.features)
             batch = dataclasses.replace(batch, features=records)
+        if graphs is not None and descriptor is not None:  # the request rows the graph replays (spec/padding.py)
+            batch = pad_request_rows(batch, descriptor, graphs.profile, self.features)
         self._prepared = batch
         self._prepared_rows = (index_mapping.astype(np.int64), flat.seq_lens.copy())
         self._prepared_drafts = drafts
@@ -154,8 +171,8 @@ class RequestStatePool:
         rows, seq_lens = self._prepared_rows
         return (
             tuple(batch.req_ids) == self._prepared.req_ids
-            and np.array_equal(np.asarray(batch.index_mapping), rows)
-            and np.array_equal(np.asarray(batch.seq_lens), seq_lens)
+            and np.array_equal(np.asarray(batch.index_mapping)[: len(rows)], rows)  # past them: padded rows
+            and np.array_equal(np.asarray(batch.seq_lens)[: len(rows)], seq_lens)
         )
 
     def feature(self, kind: type[F]) -> F | None:
@@ -197,6 +214,14 @@ def check_last_applied(sched: SchedulerOutput, applied: SchedulerOutput | None, 
     if plan is None or (sched is not applied and sched != applied):
         raise InconsistentSchedulerOutputError(None, "prepare", "not the last applied scheduler output")
     return plan
+
+
+def check_graphs_choice(pad_to: int | None, graphs: object) -> None:
+    """pad_to and graphs are two answers to one question (how far to pad): at most one is given."""
+    if pad_to is not None and graphs is not None:
+        raise InconsistentSchedulerOutputError(None, "graphs", "pad_to and graphs are exclusive: give one")
+    if graphs is not None and not isinstance(graphs, CapturedGraphs):
+        raise InconsistentSchedulerOutputError(None, "graphs", f"{type(graphs).__name__}: needs a CapturedGraphs")
 
 
 def padded_tokens(pad_to: int | None, num_tokens: int) -> int:

@@ -8,13 +8,16 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from spec.context_parallel import ContextParallel
+from spec.graphs import CapturedGraphs
 from spec.types import BatchInputs, PoolSnapshot, SchedulerOutput, WorkerConfig
 
 
 class StatePool(Protocol):
     def apply(self, sched: SchedulerOutput) -> None: ...
 
-    def prepare(self, sched: SchedulerOutput, pad_to: int | None = None) -> BatchInputs: ...
+    def prepare(
+        self, sched: SchedulerOutput, pad_to: int | None = None, *, graphs: CapturedGraphs | None = None
+    ) -> BatchInputs: ...
 
     def record_sampled(self, batch: BatchInputs, sampled_token_ids: Any, next_draft_ids: Any = None) -> None: ...
 

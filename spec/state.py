@@ -74,6 +74,9 @@ class PoolState:
         self.row_of: dict[str, int] = {}  # req_id -> req_state_idx
         self.num_known_tokens = np.zeros(rows, np.int64)  # [R] known tokens: prompt + sampled (accepted)
         self.num_computed_tokens = np.zeros(rows, np.int64)  # [R]
+        # [R] the request's prompt length, set when it is added: a row is prefilling while num_computed is below it
+        # (spec/classify.py); 0 for a free row
+        self.prompt_lens = np.zeros(rows, np.int64)
         self.num_blocks = np.zeros((len(config.kv_groups), rows), np.int64)  # [G, R] filled entries
         # What a host scheduling ahead knows of the last record_sampled without its values (spec/async_steps.py):
         self.sampled_in = np.full(rows, -1, np.int64)  # [R] batch_idx of the last recorded batch the row sampled in
@@ -105,6 +108,7 @@ class PoolState:
         if freed.size:
             self.num_known_tokens[freed] = 0
             self.num_computed_tokens[freed] = 0
+            self.prompt_lens[freed] = 0
             self.num_blocks[:, freed] = 0
             self.sampled_in[freed] = -1  # a new owner of the row has no pending token
             for table in self.block_tables:
@@ -114,6 +118,7 @@ class PoolState:
                 self.req_ids[row] = req_id
                 self.row_of[req_id] = row
             self.num_known_tokens[plan.new_rows] = plan.prompt_lens
+            self.prompt_lens[plan.new_rows] = plan.prompt_lens
         for g, writes in enumerate(plan.tables):
             if writes.rows.size:
                 self.write_table(g, writes)

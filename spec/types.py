@@ -299,10 +299,22 @@ class BatchInputs:
     # The model-kind features' records (spec/feature.py), one per feature of the config: () for a plain decoder.
     # Each is a frozen dataclass whose fields read as the batch's own (batch.mrope_positions, below).
     features: tuple[Any, ...] = ()
+    # The rows' classification by progress (spec/classify.py RowClasses, host arrays over the real rows): set by
+    # every prepare. The graph the batch runs (spec/graphs.py BatchDescriptor): None unless prepared with graphs;
+    # then index_mapping, num_scheduled_tokens, seq_lens, block_tables have descriptor.num_reqs rows and
+    # query_start_loc one more (spec/padding.py), the rest num_reqs.
+    row_classes: Any = None
+    descriptor: Any = None
 
     @property
     def num_reqs(self) -> int:
+        """The real requests (one per req_id); record_sampled takes one row per real request."""
         return len(self.req_ids)
+
+    @property
+    def num_reqs_padded(self) -> int:
+        """Request rows of the padded per-row arrays: the descriptor's, or num_reqs without one."""
+        return self.num_reqs if self.descriptor is None else int(self.descriptor.num_reqs)
 
     def feature(self, record_type: type[R]) -> R | None:
         """The batch's record of one feature (e.g. spec.mamba.StateIndices), or None for a model without it."""

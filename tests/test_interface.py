@@ -51,7 +51,8 @@ def test_shared_names_are_spec_objects(name: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "name", [
+    "name",
+    [
         "write_kv",
         "paged_attention",
         "write_mla_kv",
@@ -59,7 +60,7 @@ def test_shared_names_are_spec_objects(name: str) -> None:
         "mla_prefill_attention",
         "sparse_slot_mapping",
         "sparse_paged_attention",
-    ]
+    ],
 )
 def test_kernel_signatures_match(name: str) -> None:
     assert _normalised(inspect.signature(getattr(fast, name))) == _normalised(inspect.signature(getattr(spec, name)))
