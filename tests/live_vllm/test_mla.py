@@ -74,6 +74,7 @@ def test_every_step_checked_through_prefill_decode_mixed_steps_and_preemption(
 ) -> None:
     w = run(served, runner)
     f = w["features"]
+    print(f"{runner}: {w['steps_checked']} steps checked, {w['mixed_steps']} mixed; {f}; latent {w['latent']}")
     assert w["execute_model_calls"] == w["steps_checked"] == w["records"] == f["steps"] > MAX_TOKENS, w
     assert w["reports"] == []
     assert w["output_lengths"] == [MAX_TOKENS] * len(PROMPT_LENS)
