@@ -198,6 +198,12 @@ class ShadowChecker:
         return frozenset(self._lost)
 
     @property
+    def batch(self) -> BatchInputs | None:
+        """spec's inputs for the step checked and not yet recorded (None between steps): what the engine's
+        forward pass, running between `check` and `record_sampled`, can be held to (its KV writes, say)."""
+        return self._batch
+
+    @property
     def repro_dir(self) -> Path | None:
         """Where this checker's scripts go: the caller's directory, or its private one once it exists."""
         return self._named_dir if self._named_dir is not None else self._private_dir

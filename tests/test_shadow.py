@@ -175,6 +175,19 @@ def test_engine_order_padding_and_table_tails_are_the_engines_own(tmp_path: obje
     assert {r.req_id: r.token_ids for r in checker.pool.snapshot()} == {"a": (5, 6, 7, 8, 9, 11), "b": (1, 2, 12)}
 
 
+def test_spec_batch_is_readable_only_between_check_and_record(tmp_path: object) -> None:
+    out, arrays = _one_step(CONFIG)
+    checker = ShadowChecker(CONFIG, repro_dir=str(tmp_path))
+    assert checker.batch is None
+    checker.check(out, arrays, ["a", "b"])
+    batch = checker.batch
+    assert batch is not None and batch.req_ids == ("b", "a")  # spec's order, not the engine's a, b
+    # by hand, block size 4: b's block 7 -> slots 28, 29; a's blocks 3, 4 -> 12..16
+    assert batch.slot_mappings[0][: batch.num_tokens].tolist() == [28, 29, 12, 13, 14, 15, 16]
+    checker.record_sampled({"a": 11, "b": 12})
+    assert checker.batch is None
+
+
 @pytest.mark.parametrize(
     ("field", "index", "value", "req_id"),
     [
