@@ -20,6 +20,7 @@ from benchmarks.reference import reference, started
 from benchmarks.workloads import ASYNC_WORKLOADS, HOST_WORKLOADS, StepStream, Workload
 from spec.batch import batch_order
 from spec.flatten import flatten
+from spec.graphs import CapturedGraphs
 
 
 def _cases(names: tuple[str, ...], workloads: tuple[Workload, ...] = HOST_WORKLOADS) -> list[Any]:
@@ -155,10 +156,34 @@ def test_async_step_interleaved(benchmark: Any, bench_budget: float, workload: W
     _interleaved(benchmark, bench_budget, workload, provider_name, "fast", "async_step_interleaved", what)
 
 
+# vLLM 0.32's default capture sizes (CompilationConfig: 1, 2, 4, then every 8 to 256, every 16 to 512)
+DEFAULT_CAPTURE_SIZES = (1, 2, 4, *range(8, 256, 8), *range(256, 513, 16))
+
+
+@pytest.mark.parametrize(("workload", "provider_name"), _cases(("fast",)))
+def test_graphs_step_interleaved(benchmark: Any, bench_budget: float, workload: Workload, provider_name: str) -> None:
+    """The cost of captured graphs (spec/graphs.py, spec/padding.py): fast's host step prepared with vLLM's default
+    capture sizes (FULL_AND_PIECEWISE: a uniform decode batch dispatched to a FULL graph, its tokens and request rows
+    padded), rounds interleaved with fast's step prepared without graphs on the same workload."""
+    graphs = CapturedGraphs(DEFAULT_CAPTURE_SIZES, max_num_reqs=StepStream(workload).config.max_num_reqs)
+    what = "apply + prepare(graphs=vLLM's default sizes) + record_sampled, rounds interleaved with fast's plain step"
+    _interleaved(benchmark, bench_budget, workload, provider_name, "fast", "graphs_step_interleaved", what,
+                 prepare_kwargs={"graphs": graphs})  # fmt: skip
+
+
 def _interleaved(
-    benchmark: Any, bench_budget: float, workload: Workload, provider_name: str, peer_name: str, stage: str, what: str
+    benchmark: Any,
+    bench_budget: float,
+    workload: Workload,
+    provider_name: str,
+    peer_name: str,
+    stage: str,
+    what: str,
+    prepare_kwargs: dict[str, Any] | None = None,
 ) -> None:
-    """`provider_name`'s host step timed, with one step of `peer_name` between its rounds, timed by the same clock."""
+    """`provider_name`'s host step timed, with one step of `peer_name` between its rounds, timed by the same clock;
+    `prepare_kwargs` go to the timed provider's prepare only."""
+    kwargs = prepare_kwargs or {}
     fast_provider, peer_provider = providers.get(provider_name), providers.get(peer_name)
     # async scheduling's drafts are proposed on the device (rule 8): placeholders in the outputs, the ids recorded
     fast_stream = StepStream(workload, on_device=provider_name.endswith("-async"))
@@ -172,7 +197,7 @@ def _interleaved(
 
     def target(sched: spec.SchedulerOutput) -> None:
         fast_pool.apply(sched)
-        fast_pool.record_sampled(fast_pool.prepare(sched), fast_sampled, *fast_extra)
+        fast_pool.record_sampled(fast_pool.prepare(sched, **kwargs), fast_sampled, *fast_extra)
 
     def setup() -> tuple[Any, ...]:
         sched = peer_stream.next()

@@ -92,7 +92,7 @@ class RequestStatePool:
         self._batch_buffers = HostBatch() if self.host_mode else DeviceBatch(self.dev, self._interpret)
         self._sampler = SamplerFields()  # a drafting step's sampler fields (fast/drafts.py)
         # the padded request rows of a batch prepared with graphs (fast/padding.py), reused from step to step
-        self._padded_rows = PaddedRows(self.device, config.max_num_reqs + 1)
+        self._padded_rows = PaddedRows(self.device, config.max_num_reqs + 1, self.host_mode)
         self._applied: SchedulerOutput | None = None
         self._plan: StepPlan | None = None  # the applied output as validated: all prepare reads of it
         self._prepared: BatchInputs | None = None  # the batch record_sampled may take
@@ -168,7 +168,11 @@ class RequestStatePool:
         fields: dict[str, Any] = self.mode.batch_fields(
             self.state, index_mapping, computed, cu_num_tokens, num_scheduled
         )
-        fields = fields | {"row_classes": classes} if fields else {"row_classes": classes}
+        # a descriptor whose request rows are the batch's own pads tokens only: it rides in the batch as built
+        pads_rows = descriptor is not None and descriptor.num_reqs > len(req_ids)
+        extra = {"row_classes": classes} if pads_rows or descriptor is None else {"row_classes": classes,
+                                                                                  "descriptor": descriptor}  # fmt: skip
+        fields = fields | extra if fields else extra
         drafts = None
         if plan.num_drafts is not None:  # input ids are right already (apply stored the drafts): add the indices
             sampler, drafts = self._sampler.build(cu_num_tokens, plan.num_drafts, plan.draft_ids, order, self.device)
@@ -182,7 +186,7 @@ class RequestStatePool:
         if self.features:  # the model kind's records of the batch (fast/feature.py)
             records = tuple(f.prepare(self.state, plan, batch, order) for f in self.features)
             batch = dataclasses.replace(batch, features=records)
-        if graphs is not None and descriptor is not None:  # the request rows the graph replays, in reused buffers
+        if pads_rows and graphs is not None and descriptor is not None:  # the graph's request rows, reused buffers
             batch = pad_request_rows(batch, descriptor, graphs.profile, self.features, self._padded_rows)
         self._prepared_drafts = drafts
         self._prepared = batch

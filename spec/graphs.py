@@ -26,6 +26,7 @@ The padding itself (what each padded token and request row holds) is spec/paddin
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
@@ -48,6 +49,8 @@ class CapturedGraphs:
     mode: str = "FULL_AND_PIECEWISE"  # one of GRAPH_MODES (vLLM's default in 0.32)
     uniform_decode_query_len: int = 1  # 1 + K, K = num_speculative_tokens
     profile: PaddingProfile = field(default=FLASH_ATTENTION)  # what padded request rows hold (spec/padding.py)
+    # full_keys(), computed once: dispatch asks for them every step
+    _full_keys: frozenset[tuple[int, int, bool]] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         sizes = self.capture_sizes
@@ -69,9 +72,13 @@ class CapturedGraphs:
                 raise ValueError(f"CapturedGraphs.{name} must be an integer >= 1, got {value!r}")
         if not isinstance(self.profile, PaddingProfile):
             raise ValueError(f"CapturedGraphs.profile must be a PaddingProfile, got {self.profile!r}")
+        object.__setattr__(self, "_full_keys", self._captured_full_keys())
 
     def full_keys(self) -> frozenset[tuple[int, int, bool]]:
         """The FULL graphs captured, as (num_tokens, num_reqs, uniform) (vLLM's FULL BatchDescriptor keys)."""
+        return self._full_keys
+
+    def _captured_full_keys(self) -> frozenset[tuple[int, int, bool]]:
         keys: set[tuple[int, int, bool]] = set()
         if _MIXED_ROUTINE.get(self.mode) == "FULL":
             keys.update((s, min(s, self.max_num_reqs), False) for s in self.capture_sizes)
@@ -104,7 +111,8 @@ def dispatch(graphs: CapturedGraphs | None, num_tokens: int, num_reqs: int, clas
             f"dispatch: the batch was classified with 1 + K = {classes.decode_query_len}, "
             f"the graphs were captured for {graphs.uniform_decode_query_len}"
         )
-    padded = next(s for s in graphs.capture_sizes if s >= num_tokens)
+    sizes = graphs.capture_sizes
+    padded = sizes[bisect.bisect_left(sizes, num_tokens)]  # the smallest captured size >= num_tokens
     uniform = classes.uniform_decode and graphs.mode in _DECODE_ROUTINE
     if uniform:
         rows = min(padded // graphs.uniform_decode_query_len, graphs.max_num_reqs)

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from spec.classify import classify
 from spec.types import (
     PAD_SLOT_ID,
     BatchInputs,
@@ -37,6 +38,7 @@ class NumpyVectorisedPool:
         self.token_ids = np.zeros((rows, config.max_model_len), np.int32)  # [R, max_model_len], int32 as vLLM's
         self.num_tokens = np.zeros(rows, np.int64)  # [R] known tokens
         self.num_computed_tokens = np.zeros(rows, np.int64)  # [R]
+        self.prompt_lens = np.zeros(rows, np.int64)  # [R] what the rows' classification reads (spec/classify.py)
         self.num_blocks = np.zeros((len(groups), rows), np.int64)  # [G, R] filled table entries
         self.block_tables = [  # per group: [R, max_blocks_per_req(g)]
             np.zeros((rows, config.max_blocks_per_req(g)), np.int32) for g in range(len(groups))
@@ -52,7 +54,7 @@ class NumpyVectorisedPool:
         for req_id in sched.finished_req_ids:
             row = self.row_of_req.pop(req_id)
             self.req_ids[row] = None
-            self.num_tokens[row] = self.num_computed_tokens[row] = 0
+            self.num_tokens[row] = self.num_computed_tokens[row] = self.prompt_lens[row] = 0
             self.num_blocks[:, row] = 0
             for table in self.block_tables:
                 table[row] = 0
@@ -62,7 +64,7 @@ class NumpyVectorisedPool:
             self.req_ids[row], self.row_of_req[new.req_id] = new.req_id, row
             prompt = np.asarray(new.prompt_token_ids, np.int32)
             self.token_ids[row, : prompt.size] = prompt
-            self.num_tokens[row] = prompt.size
+            self.num_tokens[row] = self.prompt_lens[row] = prompt.size
             self.num_computed_tokens[row] = new.num_computed_tokens
             for g, ids in enumerate(new.block_ids):
                 self.block_tables[g][row, : len(ids)] = ids
@@ -131,6 +133,10 @@ class NumpyVectorisedPool:
             positions=positions,
             input_ids=input_ids,
             seq_lens=(self.num_computed_tokens[index_mapping] + num_scheduled).astype(np.int32),
+            # the batch every slotmap backend returns carries its rows' classes: computed the plain NumPy way
+            row_classes=classify(
+                num_scheduled, self.num_computed_tokens[index_mapping], self.prompt_lens[index_mapping], 1
+            ),
             logits_indices=(cu_num_tokens - 1).astype(np.int32),
             block_tables=tuple(table[index_mapping] for table in self.block_tables),
             slot_mappings=tuple(slot_mappings),

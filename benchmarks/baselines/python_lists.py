@@ -13,8 +13,10 @@ import heapq
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
+from spec.classify import classify
 from spec.types import PAD_SLOT_ID, BatchInputs, PoolSnapshot, RowSnapshot, SchedulerOutput, WorkerConfig
 
 
@@ -24,6 +26,7 @@ class _Sequence:
     token_ids: list[int]  # prompt, then sampled
     num_computed_tokens: int
     block_tables: list[list[int]]  # per group: logical block -> physical block id
+    prompt_len: int  # what the row's classification reads (spec/classify.py)
 
 
 class PythonListPool:
@@ -41,6 +44,7 @@ class PythonListPool:
                 list(new.prompt_token_ids),
                 new.num_computed_tokens,
                 [list(ids) for ids in new.block_ids],
+                len(new.prompt_token_ids),
             )
         for cached in sched.cached_requests:
             seq = self.seqs[cached.req_id]
@@ -82,6 +86,12 @@ class PythonListPool:
             positions=torch.tensor(positions + [0] * pad, dtype=torch.int64),
             input_ids=torch.tensor(input_ids + [0] * pad, dtype=torch.int64),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            row_classes=classify(  # the rows' classes every slotmap backend's batch carries (spec/classify.py)
+                np.array([n for _, n in order], np.int64),
+                np.array([self.seqs[r].num_computed_tokens for r, _ in order], np.int64),
+                np.array([self.seqs[r].prompt_len for r, _ in order], np.int64),
+                1,
+            ),
             logits_indices=torch.tensor([q - 1 for q in query_start_loc[1:]], dtype=torch.int32),
             block_tables=tuple(self._block_table(g, tables) for g, tables in enumerate(block_tables)),
             slot_mappings=tuple(torch.tensor(s + [PAD_SLOT_ID] * pad, dtype=torch.int64) for s in slot_mappings),
