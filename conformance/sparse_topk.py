@@ -97,3 +97,50 @@ def dense_masked_attention(
         out[t] = np.einsum("hk,khd->hd", weights / weights.sum(axis=1, keepdims=True), v)
         lse[t] = peak[:, 0] + np.log(weights.sum(axis=1))
     return out, lse
+
+
+class TinyLatent:
+    """An MLA token's cache entry and absorbed query from its id and position (float64), the same whichever request
+    or rank computes it, so a prefix-cache hit's shared positions hold what the request's own tokens would."""
+
+    def __init__(self, vocab_size: int, rank: int, rope: int, num_heads: int, seed: int = 0) -> None:
+        rng = np.random.default_rng(seed)
+        self.c = rng.standard_normal((vocab_size, rank))  # [vocab, L]
+        self.pe = rng.standard_normal((vocab_size, rope))  # [vocab, R]
+        self.q = rng.standard_normal((vocab_size, num_heads, rank))  # [vocab, H, L]
+        self.q_pe = rng.standard_normal((vocab_size, num_heads, rope))  # [vocab, H, R]
+
+    def entries(self, ids: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:  # [n, L], [n, R]
+        angle = 0.3 * positions.astype(np.float64)[:, None]
+        return self.c[ids] + np.sin(angle), self.pe[ids] * np.cos(angle)
+
+    def queries(self, ids: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:  # [n, H, L], [n, H, R]
+        angle = 0.3 * positions.astype(np.float64)[:, None, None]
+        return self.q[ids] * np.cos(angle), self.q_pe[ids] * np.sin(angle + 1.0)
+
+
+def dense_masked_mla(
+    q_latent: np.ndarray,  # [num_tokens, num_heads, L] float64, the real queries
+    q_pe: np.ndarray,  # [num_tokens, num_heads, R] float64
+    entries: list[np.ndarray],  # per real token: [p + 1, L + R] the values its request's positions 0..p hold
+    topk: np.ndarray,  # [num_tokens, top_k] positions, -1: none
+    scale: float,
+) -> tuple[np.ndarray, np.ndarray]:  # ([num_tokens, num_heads, L], [num_tokens, num_heads]) float64
+    """The absorbed MLA decode of each query over every position of its request up to its own, with the positions
+    outside its row masked: a latent is its own value, every head reads the one entry."""
+    num_tokens, num_heads, rank = q_latent.shape
+    out = np.zeros((num_tokens, num_heads, rank))
+    lse = np.full((num_tokens, num_heads), -np.inf)
+    for t in range(num_tokens):
+        chosen = set(int(i) for i in topk[t] if i >= 0)
+        if not chosen:
+            continue
+        latents, k_pe = entries[t][:, :rank], entries[t][:, rank:]
+        mask = np.array([i in chosen for i in range(latents.shape[0])])
+        for h in range(num_heads):
+            logits = np.array([q_latent[t, h] @ latents[i] + q_pe[t, h] @ k_pe[i] for i in range(latents.shape[0])])
+            logits = np.where(mask, logits * scale, -np.inf)
+            weights = np.exp(logits - logits.max())
+            out[t, h] = weights @ latents / weights.sum()
+            lse[t, h] = logits.max() + np.log(weights.sum())
+    return out, lse
