@@ -54,7 +54,8 @@ def test_sparse_selections_agree_on_every_step(backend: BackendHandle) -> None:
     before = COUNTS.copy()
     steps = _drive(SLOW_SEEDS if backend.slow else SEEDS, backend, 6 if backend.slow else 200)
     compared = COUNTS["sparse steps"] - before["sparse steps"]
-    refused = {k[len("sparse refused[") : -1] for k in COUNTS if k.startswith("sparse refused[") and COUNTS[k] > before[k]}
+    prefix = "sparse refused["
+    refused = {k[len(prefix) : -1] for k in COUNTS if k.startswith(prefix) and COUNTS[k] > before[k]}
     assert steps >= (6 if backend.slow else 100) and compared >= (3 if backend.slow else 100)
     if not backend.slow:
         assert refused == BREAKABLE, refused
@@ -63,7 +64,8 @@ def test_sparse_selections_agree_on_every_step(backend: BackendHandle) -> None:
 def _broken(name: str, **kernels: Callable[..., Any]) -> BackendHandle:
     """spec with some sparse functions replaced."""
     names = ("RequestStatePool", "write_kv", "paged_attention", "write_mla_kv", "mla_decode_attention",
-             "mla_prefill_attention", "sparse_slot_mapping", "sparse_paged_attention", "sparse_mla_attention")  # fmt: skip
+             "mla_prefill_attention", "sparse_slot_mapping", "sparse_paged_attention",
+             "sparse_mla_attention")  # fmt: skip
     module = types.SimpleNamespace(**{n: getattr(spec, n) for n in names})
     for key, fn in kernels.items():
         setattr(module, key, fn)
