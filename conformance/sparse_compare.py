@@ -103,7 +103,8 @@ def _compare_reader(
         (rk, rv), (ck, cv), name = pair.ref.caches[g], pair.cand.caches[g], "sparse_paged_attention"
 
         def reference(*f: np.ndarray) -> np.ndarray:
-            return np.asarray(spec.sparse_paged_attention(*f, ref_slots, scale=att.scale, softcap=att.softcap))
+            out = spec.sparse_paged_attention(f[0], f[1], f[2], ref_slots, scale=att.scale, softcap=att.softcap)
+            return np.asarray(out)
 
         floats = (query, rk, rv)
         call = lambda: kernels.sparse_paged_attention(  # noqa: E731
