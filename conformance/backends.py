@@ -30,7 +30,7 @@ import spec
 import spec.interop
 from spec.async_steps import PENDING_FIELDS
 from spec.graphs import CapturedGraphs
-from spec.protocol import Backend, MlaBackend, StatePool
+from spec.protocol import Backend, MlaBackend, SparseBackend, StatePool
 from spec.types import BatchInputs, PoolSnapshot, SchedulerOutput, WorkerConfig
 
 BATCH_ARRAY_FIELDS = (
@@ -182,6 +182,10 @@ class _ModeBackend:
         self.write_mla_kv = _in_mode(fast.write_mla_kv, enabled)
         self.mla_decode_attention = _in_mode(fast.mla_decode_attention, enabled)
         self.mla_prefill_attention = _in_mode(fast.mla_prefill_attention, enabled)
+        # sparse top-k attention (spec.SparseBackend, an optional part of a backend), in the same kernel mode
+        self.sparse_slot_mapping = _in_mode(fast.sparse_slot_mapping, enabled)
+        self.sparse_paged_attention = _in_mode(fast.sparse_paged_attention, enabled)
+        self.sparse_mla_attention = _in_mode(fast.sparse_mla_attention, enabled)
         # encoder-decoder (fast/encoder_attention.py): `cross_attention` names a submodule of both packages
         self.cross_attention = _in_mode(fast.encoder_attention.cross_attention, enabled)
         # the engine layouts (optional part of a backend, docs/porting.md), in the same kernel mode
@@ -239,6 +243,16 @@ def mla_kernels_of(handle: BackendHandle) -> MlaBackend | None:
     if not all(callable(getattr(handle.module, name, None)) for name in MLA_FUNCTIONS):
         return None
     return cast(MlaBackend, handle.module)
+
+
+SPARSE_FUNCTIONS = ("sparse_slot_mapping", "sparse_paged_attention", "sparse_mla_attention")
+
+
+def sparse_kernels_of(handle: BackendHandle) -> SparseBackend | None:
+    """The backend's sparse top-k functions (spec.SparseBackend, an optional part of a backend), or None."""
+    if not all(callable(getattr(handle.module, name, None)) for name in SPARSE_FUNCTIONS):
+        return None
+    return cast(SparseBackend, handle.module)
 
 
 INTEROP_FUNCTIONS = ("paged_kv_layout", "paged_attention", "sglang_layout", "flash_attn_metadata")

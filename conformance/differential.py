@@ -3,7 +3,8 @@
 After every step the two must agree exactly on `snapshot()`, on every `BatchInputs` field (values,
 dtypes, shapes), on the KV caches after `write_kv` of random keys/values, and, within
 conformance.tolerance's rule, on `paged_attention` (an mla group: write_mla_kv and both MLA attention
-forms, conformance/mla_compare.py). Invalid outputs must be rejected by both with the
+forms, conformance/mla_compare.py), and on half the steps on a random top-k selection's slots and sparse reader
+(conformance/sparse_compare.py). Invalid outputs must be rejected by both with the
 same error class, leaving both snapshots unchanged. The reference is always spec; the scheduler model
 additionally checks the reference against its own bookkeeping (`expected_snapshot`).
 
@@ -26,6 +27,7 @@ from conformance.backends import BackendHandle, cross_attention_of
 from conformance.mla_compare import compare_mla, latent_cache
 from conformance.scenario import AttentionSpec, Scenario
 from conformance.scheduler import ReferenceScheduler
+from conformance.sparse_compare import compare_sparse
 from conformance.tolerance import assert_attention_close, spec_in_dtype
 from shadow.compare import batch_differences
 from spec.encoder_attention import cross_attention as spec_cross_attention
@@ -113,6 +115,7 @@ class Pair:
         self.ref = _Side(reference, config, attention)
         self.cand = _Side(candidate, config, attention)
         self.kv_rng = np.random.default_rng(seed)  # keys, values and queries only, so replay() draws the same
+        self.sparse_rng = np.random.default_rng([seed, 2])  # top-k selections and their queries (sparse_compare.py)
         self.pending: Step | None = None  # the step in progress, for a reproduction that ends with it
 
     # ---- valid steps ------------------------------------------------------------------------
@@ -195,6 +198,7 @@ class Pair:
                 continue
             if group.kind == "mla":  # one latent cache, its own write and two attention forms
                 compare_mla(self, g, ref_batch, cand_batch)
+                compare_sparse(self, g, ref_batch, cand_batch)
                 continue
             to = self.cand.handle.asarray
             fp8, cand_fp8 = _fp8_arguments(att, np.asarray), _fp8_arguments(att, to)
@@ -230,6 +234,7 @@ class Pair:
                 assert_attention_close(got[:num_tokens], ref64[:num_tokens], low[:num_tokens], att.dtype)
             except AssertionError as exc:
                 raise MismatchError(f"paged_attention[{g}] (window {group.sliding_window}): {exc}") from exc
+            compare_sparse(self, g, ref_batch, cand_batch)  # a top-k selection over the cache just written
 
     def write_random_kv(
         self,

@@ -24,6 +24,7 @@ from fast.mla_attention import mla_decode_attention, mla_prefill_attention
 from fast.mla_cache import write_mla_kv
 from fast.pool import RequestStatePool
 from fast.sparse_attention import sparse_paged_attention
+from fast.sparse_mla import sparse_mla_attention
 from fast.sparse_topk import sparse_slot_mapping
 from spec import (
     ALL_ERRORS,
@@ -104,6 +105,7 @@ __all__ = [
     "mla_decode_attention",
     "mla_prefill_attention",
     "paged_attention",
+    "sparse_mla_attention",
     "sparse_paged_attention",
     "sparse_slot_mapping",
     "split_mla_batch",

@@ -46,7 +46,7 @@ def sparse_attention_state(
         raise ValueError(f"sparse_attention_state: query must be one of {_FLOAT_DTYPES}, got {query.dtype}")
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
     slots = topk_slots.to(torch.int64)  # [T, top_k]
-    if bool(_bad_slots(slots, num_blocks, block_size).any()):  # the one host read of the checks
+    if bool(bad_slots(slots, num_blocks, block_size).any()):  # the one host read of the checks
         check_topk_slots(slots.cpu().numpy(), num_blocks, block_size)
         raise RuntimeError("fast.sparse_attention_state: its check found a violation spec's did not (a bug)")
     num_tokens, num_heads = query.shape[:2]
@@ -93,7 +93,7 @@ def _chunk_state(
     return out, lse
 
 
-def _bad_slots(slots: torch.Tensor, num_blocks: int, block_size: int) -> torch.Tensor:  # [T, top_k] bool
+def bad_slots(slots: torch.Tensor, num_blocks: int, block_size: int) -> torch.Tensor:  # [T, top_k] bool
     """The entries spec.sparse_attention.check_topk_slots refuses, all rules at once."""
     bad = (slots < -1) | (slots >= num_blocks * block_size) | ((slots >= 0) & (slots < block_size))
     if slots.shape[1] > 1:

@@ -30,6 +30,7 @@ from spec.padding_profiles import PaddingProfile
 from spec.pool import RequestStatePool
 from spec.protocol import Backend, MlaBackend, SparseBackend, StatePool
 from spec.sparse_attention import sparse_paged_attention
+from spec.sparse_mla import sparse_mla_attention
 from spec.sparse_topk import SparseIndexError, sparse_slot_mapping
 from spec.types import (
     NULL_BLOCK_ID,
@@ -84,6 +85,7 @@ __all__ = [
     "mla_decode_attention",
     "mla_prefill_attention",
     "paged_attention",
+    "sparse_mla_attention",
     "sparse_paged_attention",
     "sparse_slot_mapping",
     "split_mla_batch",

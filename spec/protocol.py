@@ -164,12 +164,30 @@ class SparsePagedAttention(Protocol):
     ) -> Any: ...
 
 
+class SparseMlaAttention(Protocol):
+    def __call__(
+        self,
+        q_latent: Any,
+        q_pe: Any,
+        kv_cache: Any,
+        topk_slots: Any,
+        *,
+        scale: float,
+        kv_cache_dtype: str = "auto",
+        k_scale: Any = 1.0,
+    ) -> Any: ...
+
+
 class SparseBackend(Protocol):
-    """The optional sparse top-k part of a backend (spec/sparse_topk.py, spec/sparse_attention.py), for
-    DeepSeek-V3.2-style indexer attention: the slots of the selected keys, and attention over them."""
+    """The optional sparse top-k part of a backend (spec/sparse_topk.py, spec/sparse_attention.py,
+    spec/sparse_mla.py), for DeepSeek-V3.2-style indexer attention: the slots of the selected keys, and
+    attention over them in an ordinary cache or an MLA latent cache."""
 
     @property
     def sparse_slot_mapping(self) -> SparseSlotMapping: ...
 
     @property
     def sparse_paged_attention(self) -> SparsePagedAttention: ...
+
+    @property
+    def sparse_mla_attention(self) -> SparseMlaAttention: ...

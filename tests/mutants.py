@@ -731,3 +731,98 @@ MUTANTS: tuple[Mutant, ...] = (
         (MLA_SPLIT,),
     ),
 )
+
+# ---- sparse top-k attention (spec/sparse_topk.py, spec/sparse_attention.py, spec/sparse_mla.py and fast's) ----
+SPARSE_UNIT = "tests/test_sparse_topk.py"
+SPARSE_READER = "tests/test_sparse_attention.py"
+SPARSE_MLA = "tests/test_sparse_mla_attention.py"
+SPARSE_SUITE_FAST = "conformance/test_sparse.py::test_sparse_selections_agree_on_every_step[fast]"
+SPARSE_SUITE_SPEC = "conformance/test_sparse.py::test_sparse_selections_agree_on_every_step[spec]"
+SPARSE_ROW_RULE = "sparse slots: entry (t, j) maps through the table of t's own batch row (req_id_per_token)"
+SPARSE_PAD_RULE = "sparse readers: -1 lists nothing (never the slot -1, the cache's last)"
+SPARSE_DUP_RULE = "sparse rule 6 DuplicateIndexError: one position twice in a row is refused"
+SPARSE_CAUSAL_RULE = "sparse rule 3 FutureIndexError: a query at position p reads positions <= p"
+
+SPARSE_MUTANTS: tuple[Mutant, ...] = (
+    Mutant(
+        "sparse-topk-previous-row-table-spec",
+        SPARSE_ROW_RULE,
+        "spec/sparse_topk.py",
+        "    table = batch.block_tables[group]\n    slots = cp_slot_mapping(",
+        "    table = np.roll(batch.block_tables[group], 1, axis=0)\n    slots = cp_slot_mapping(",
+        (SPARSE_UNIT,),
+    ),
+    Mutant(
+        "sparse-topk-previous-row-table-fast",
+        SPARSE_ROW_RULE,
+        "fast/sparse_topk.py",
+        "slots = fast_cp.cp_slot_mapping(flat, bounds, table, block_size, rank_cp)",
+        "slots = fast_cp.cp_slot_mapping(flat, bounds, torch.roll(table, 1, 0), block_size, rank_cp)",
+        (SPARSE_UNIT, SPARSE_SUITE_FAST),
+    ),
+    Mutant(
+        "sparse-reader-minus-one-read-as-slot-spec",
+        SPARSE_PAD_RULE,
+        "spec/sparse_attention.py",
+        "        slots = slots[slots >= 0]  # [k] this query's keys",
+        "        slots = slots[slots >= -1]  # [k] this query's keys",
+        (SPARSE_READER,),
+    ),
+    Mutant(
+        "sparse-reader-minus-one-read-as-slot-fast",
+        SPARSE_PAD_RULE,
+        "fast/sparse_attention.py",
+        "    listed = slots >= 0  # [c, top_k]",
+        "    listed = slots >= -1  # [c, top_k]",
+        (SPARSE_READER,),
+    ),
+    Mutant(
+        "sparse-mla-reader-minus-one-read-as-slot-spec",
+        SPARSE_PAD_RULE,
+        "spec/sparse_mla.py",
+        "        slots = slots[slots >= 0]  # [k] this query's keys",
+        "        slots = slots[slots >= -1]  # [k] this query's keys",
+        (SPARSE_MLA,),
+    ),
+    Mutant(
+        "sparse-mla-reader-minus-one-read-as-slot-fast",
+        SPARSE_PAD_RULE,
+        "fast/sparse_mla.py",
+        "    listed = slots >= 0  # [c, top_k]",
+        "    listed = slots >= -1  # [c, top_k]",
+        (SPARSE_MLA, SPARSE_SUITE_FAST),
+    ),
+    Mutant(
+        "sparse-topk-duplicate-check-dropped-spec",
+        SPARSE_DUP_RULE,
+        "spec/sparse_topk.py",
+        '    refuse(DuplicateIndexError, real & repeated_entries(topk), "= {idx} is listed twice in the row")\n',
+        "",
+        (SPARSE_UNIT, SPARSE_SUITE_SPEC),
+    ),
+    Mutant(
+        "sparse-topk-duplicate-check-dropped-fast",
+        SPARSE_DUP_RULE,
+        "fast/sparse_topk.py",
+        "        bad[:, 1:] |= real & repeat",
+        "        pass",
+        (SPARSE_UNIT, SPARSE_SUITE_FAST),
+    ),
+    Mutant(
+        "sparse-topk-causality-off-by-one-spec",
+        SPARSE_CAUSAL_RULE,
+        "spec/sparse_topk.py",
+        "refuse(FutureIndexError, selected & (topk > pos),",
+        "refuse(FutureIndexError, selected & (topk > pos + 1),",
+        (SPARSE_UNIT, SPARSE_SUITE_SPEC),
+    ),
+    Mutant(
+        "sparse-topk-causality-off-by-one-fast",
+        SPARSE_CAUSAL_RULE,
+        "fast/sparse_topk.py",
+        "| (selected & (topk > pos))",
+        "| (selected & (topk > pos + 1))",
+        (SPARSE_UNIT, SPARSE_SUITE_FAST),
+    ),
+)
+MUTANTS = (*MUTANTS, *SPARSE_MUTANTS)

@@ -27,6 +27,7 @@ IMPLEMENTED = {
     "mla_prefill_attention",
     "sparse_slot_mapping",
     "sparse_paged_attention",
+    "sparse_mla_attention",
 }  # fast's own; everything else is spec's object
 
 
@@ -60,6 +61,7 @@ def test_shared_names_are_spec_objects(name: str) -> None:
         "mla_prefill_attention",
         "sparse_slot_mapping",
         "sparse_paged_attention",
+        "sparse_mla_attention",
     ],
 )
 def test_kernel_signatures_match(name: str) -> None:
