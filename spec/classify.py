@@ -72,7 +72,7 @@ def classify(
         raise ValueError(f"classify: decode_query_len must be an int >= 1, got {decode_query_len!r}")
     q = np.asarray(num_scheduled, np.int64)
     is_prefilling = np.asarray(num_computed, np.int64) < np.asarray(prompt_lens, np.int64)
-    is_decode = ~is_prefilling & (q <= decode_query_len)
+    is_decode = decode_rows(q, is_prefilling, decode_query_len)
     uniform = bool(q.size) and bool(is_decode.all()) and bool((q == decode_query_len).all())
     num_decodes = q.size if is_decode.all() else int(np.argmin(is_decode))  # the first row that is not a decode
     return RowClasses(
@@ -84,6 +84,20 @@ def classify(
         num_decodes=num_decodes,
         num_decode_tokens=int(q[:num_decodes].sum()),
     )
+
+
+def decode_rows(
+    query_lens: np.ndarray,  # [num_reqs] int64 tokens scheduled per batch row
+    is_prefilling: np.ndarray,  # [num_reqs] bool
+    threshold: int,  # the most tokens a decode row schedules: 1 + K, or an MLA backend's reorder_batch_threshold
+    *,
+    treat_short_extends_as_decodes: bool = False,  # vLLM 0.32's MLA default outside context parallelism: True
+) -> np.ndarray:  # [num_reqs] bool, batch_idx -> the row may run as a decode
+    """The one rule for "may this row run as a decode": at most `threshold` tokens and not prefilling, so a prompt
+    chunk of 1 + K tokens or fewer is a prefill (vLLM #53051, vllm-ascend #5583). vLLM's MLA builder by default
+    (`treat_short_extends_as_decodes=True`) looks at the length alone; spec/mla_split.py offers that form."""
+    short = query_lens <= threshold
+    return short if treat_short_extends_as_decodes else short & ~is_prefilling
 
 
 def step_decode_query_len(num_drafts: np.ndarray | None) -> int:

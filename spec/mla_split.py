@@ -6,8 +6,9 @@ first (`reorder_batch_to_split_decodes_and_prefills`), with `decode_threshold = 
 128, to take short prefills too). The first num_decodes rows, num_decode_tokens tokens, go to the decode
 kernel; the rest to the prefill path.
 
-The rule here, per batch row b: **a decode is a row with query_lens[b] <= threshold that is not
-prefilling** (is_prefilling[b]: some of its scheduled tokens are prompt tokens, spec/classify.py's flag).
+The rule here, per batch row b, is spec/classify.py's `decode_rows`: **a decode is a row with query_lens[b] <=
+threshold that is not prefilling** (is_prefilling[b]: some of its scheduled tokens are prompt tokens, spec/classify.py's
+flag).
 A prompt chunk is a prefill whatever its length: a 1 + K-token (or shorter) prompt is not taken for a
 decode (vllm-ascend #5583: its decode kernel then read a short prompt as a spec-decode row). This is vLLM's
 `treat_short_extends_as_decodes=False` (its context-parallel path, and vllm-ascend's fix #10580). vLLM 0.32's
@@ -31,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from spec.classify import decode_rows
 from spec.types import is_integral
 
 
@@ -50,8 +52,9 @@ def mla_decode_rows(
     treat_short_extends_as_decodes: bool = False,  # vLLM 0.32's default outside context parallelism: True
 ) -> np.ndarray:  # [num_reqs] bool, batch_idx -> the row is a decode
     lens, prefilling = _check_split_inputs(query_lens, is_prefilling, reorder_batch_threshold)
-    short = lens <= reorder_batch_threshold
-    return short if treat_short_extends_as_decodes else short & ~prefilling
+    return decode_rows(
+        lens, prefilling, reorder_batch_threshold, treat_short_extends_as_decodes=treat_short_extends_as_decodes
+    )
 
 
 def split_mla_batch(

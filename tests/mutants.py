@@ -725,10 +725,10 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "mla-split-decode-threshold-exclusive",
         "MLA split: a decode is a row of at most reorder_batch_threshold tokens (1 + K: a verify row included)",
-        "spec/mla_split.py",
-        "short = lens <= reorder_batch_threshold",
-        "short = lens < reorder_batch_threshold",
-        (MLA_SPLIT,),
+        "spec/classify.py",
+        "short = query_lens <= threshold",
+        "short = query_lens < threshold",
+        (MLA_SPLIT, "tests/test_graphs.py"),
     ),
 )
 
