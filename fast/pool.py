@@ -69,6 +69,8 @@ class RequestStatePool:
     def __init__(self, config: WorkerConfig, device: str | torch.device = "cpu") -> None:
         self.config = config
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # "cuda" is the current device, by its index:
+            self.device = torch.device("cuda", torch.cuda.current_device())  # tensors report cuda:N, compared to it
         triton = use_triton(self.device)  # the mode, fixed for the pool's life (module docstring)
         self._interpret = interpret_enabled()
         if not triton and self.device.type != "cpu":
