@@ -22,14 +22,14 @@ from fast.mla_attention import check_mla_tensors, rows_contiguous
 from fast.runtime import use_triton
 from spec import context_parallel as spec_cp
 from spec.attention import check_attention_inputs
-from spec.mla_attention import check_mla_attention_inputs
-from spec.mla_cache import mla_scale
 from spec.context_parallel import (
     ContextParallel,
     RankInputs,
     check_merge_inputs,
     check_slot_inputs,
 )
+from spec.mla_attention import check_mla_attention_inputs
+from spec.mla_cache import mla_scale
 from spec.types import PAD_SLOT_ID, BatchInputs, WorkerConfig
 
 __all__ = [
@@ -174,9 +174,7 @@ def partial_mla_decode_attention(
             f"partial_mla_decode_attention: q_latent {tuple(q_latent.shape)} must be [T, H, kv_lora_rank={rank}]"
         )
     k_scale32 = float(mla_scale("partial_mla_decode_attention", fmt, k_scale))
-    check_mla_tensors(
-        "partial_mla_decode_attention", q_latent, q_pe, kv_cache, block_table, seq_lens, query_start_loc
-    )
+    check_mla_tensors("partial_mla_decode_attention", q_latent, q_pe, kv_cache, block_table, seq_lens, query_start_loc)
     if use_triton(q_latent.device):
         from fast.kernels.mla_attention import mla_decode_triton  # lazily: the CPU path needs no Triton
 

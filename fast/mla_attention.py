@@ -128,7 +128,9 @@ def mla_prefill_attention(
     rank = kv_cache.shape[2] - q_pe.shape[2]
     check_up_projections(q_nope, w_uk, w_uv, rank)
     k_scale32 = float(mla_scale("mla_prefill_attention", fmt, k_scale))
-    check_mla_tensors("mla_prefill_attention", q_nope, q_pe, kv_cache, w_uk, w_uv, block_table, seq_lens, query_start_loc)
+    check_mla_tensors(
+        "mla_prefill_attention", q_nope, q_pe, kv_cache, w_uk, w_uv, block_table, seq_lens, query_start_loc
+    )
     query, q_rope = q_nope.detach().float(), q_pe.detach().float()
     w_k, w_v = w_uk.detach().float(), w_uv.detach().float()
     out = torch.zeros((*q_nope.shape[:2], w_uv.shape[2]), dtype=torch.float32, device=q_nope.device)

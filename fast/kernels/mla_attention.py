@@ -83,7 +83,8 @@ def mla_decode_triton(
         num_reqs, num_heads, rank, rope_dim, block_size, float(scale), float(k_scale), world, rank_of_cp, interleave,
         q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0), 0 if lse is None else lse.stride(0),
-        DCP=cp is not None, STORE_LSE=lse is not None, BLOCK_Q=block_q, HEADS_PAD=heads_pad, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
+        DCP=cp is not None, STORE_LSE=lse is not None,
+        BLOCK_Q=block_q, HEADS_PAD=heads_pad, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
         BLOCK_L=max(16, triton.next_power_of_2(rank)), BLOCK_R=max(16, triton.next_power_of_2(max(rope_dim, 1))),
         HAS_ROPE=rope_dim > 0, FP32_DOT=fp32_dot, FP8_MANTISSA=0 if fmt is None else fmt.mantissa_bits,
         num_warps=NUM_WARPS, num_stages=1,  # software pipelining not measured here: off, as for fp8 attention
@@ -231,7 +232,7 @@ def _mla_decode_kernel(
         k_mask = k_idx < kv_end  # never read past the visible range
         phys = tl.load(table_row + k_idx // block_size, mask=k_mask, other=0).to(tl.int64)
         entry = kv_cache_ptr + phys * cache_stride_b + (k_idx % block_size) * cache_stride_o  # [BLOCK_N]
-        if DCP:  # the position entry j of this rank holds (spec.context_parallel.local_kv_positions)
+        if DCP:  # noqa: SIM108 - the position entry j of this rank holds (spec.context_parallel.local_kv_positions)
             k_pos = (k_idx // cp_interleave) * turn + cp_rank * cp_interleave + k_idx % cp_interleave
         else:
             k_pos = k_idx
