@@ -25,6 +25,8 @@ from spec.context_parallel import ContextParallel
 from spec.types import PAD_SLOT_ID, BatchInputs, KVCacheGroup, WorkerConfig
 
 CP_FUNCTIONS = ("rank_inputs", "cp_slot_mapping", "local_seq_lens", "partial_paged_attention", "merge_attention_states")
+# MLA's reader under DCP (conformance/mla_context_parallel.py): None where a backend lacks it (one without MLA)
+OPTIONAL_CP_FUNCTIONS = ("partial_mla_decode_attention",)
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, SCALE = 4, 2, 8, 0.35
 SHARDED, REPLICATED = 0, 1  # the groups of cp_worker_config
 WINDOW = 6  # the replicated group's sliding window
@@ -44,13 +46,19 @@ def cp_functions(handle: BackendHandle) -> types.SimpleNamespace | None:
 
         enabled = handle.module.enabled
         return types.SimpleNamespace(
-            **{name: _in_mode(getattr(fast.context_parallel, name), enabled) for name in CP_FUNCTIONS}
+            **{
+                name: _in_mode(getattr(fast.context_parallel, name), enabled)
+                for name in CP_FUNCTIONS + OPTIONAL_CP_FUNCTIONS
+            }
         )
     else:
         module = getattr(handle.module, "context_parallel", None)
         if module is None:
             return None
-    return types.SimpleNamespace(**{name: getattr(module, name) for name in CP_FUNCTIONS})
+    return types.SimpleNamespace(
+        **{name: getattr(module, name) for name in CP_FUNCTIONS},
+        **{name: getattr(module, name, None) for name in OPTIONAL_CP_FUNCTIONS},
+    )
 
 
 def cp_worker_config(world_size: int, interleave: int, block_size: int = 4, max_model_len: int = 40) -> WorkerConfig:

@@ -5,6 +5,11 @@ vectorised torch ops on plain CPU tensors. Local sequence lengths and the merge 
 on any device. Partial attention is a torch loop over the batch's requests, accumulated in float32 (one
 host read of seq_lens and query_start_loc): the rank-local view of spec's reference, not a tuned kernel.
 Unlike spec (which computes in its input dtype), LSEs are float32 on every path, as vLLM keeps them.
+
+MLA's partial absorbed decode takes the paths fast.mla_attention's decode takes: on CUDA (and on CPU under the
+Triton interpreter) fast.kernels.mla_attention with DCP's positions and the LSE stored (one kernel, the
+non-DCP launch unchanged); on plain CPU tensors partial_paged_attention above over the latent cache viewed with
+one KV head (spec's statement of it), fp8 codes decoded to float32 first.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ from __future__ import annotations
 import torch
 
 from fast.attention import check_attention_tensors
+from fast.fp8 import codes, torch_dtype
+from fast.mla_attention import check_mla_tensors, rows_contiguous
 from fast.runtime import use_triton
 from spec import context_parallel as spec_cp
 from spec.attention import check_attention_inputs
@@ -21,6 +28,8 @@ from spec.context_parallel import (
     check_merge_inputs,
     check_slot_inputs,
 )
+from spec.mla_attention import check_mla_attention_inputs
+from spec.mla_cache import mla_scale
 from spec.types import PAD_SLOT_ID, BatchInputs, WorkerConfig
 
 __all__ = [
@@ -30,6 +39,7 @@ __all__ = [
     "local_kv_positions",
     "local_seq_lens",
     "merge_attention_states",
+    "partial_mla_decode_attention",
     "partial_paged_attention",
     "rank_inputs",
 ]
@@ -139,6 +149,52 @@ def partial_paged_attention(
         out[q_start:q_end] = torch.einsum("hqk,khd->qhd", weights / safe, values)
         lse[q_start:q_end] = torch.where(total > 0, shift + torch.log(safe), float("-inf"))[..., 0].T
     return out.to(query.dtype), lse
+
+
+def partial_mla_decode_attention(
+    q_latent: torch.Tensor,  # [T, num_heads, kv_lora_rank] every query of the batch, q_nope absorbed through W_UK
+    q_pe: torch.Tensor,  # [T, num_heads, rope_dim] already rotated
+    kv_cache: torch.Tensor,  # [num_blocks, bs, kv_lora_rank + rope_dim], this rank's latent cache
+    block_table: torch.Tensor,  # [num_reqs, max_blocks] batch_idx -> block ids (the pool's gathered table)
+    seq_lens: torch.Tensor,  # [num_reqs] the requests' full lengths
+    query_start_loc: torch.Tensor,  # [num_reqs + 1]
+    *,
+    cp: ContextParallel,
+    scale: float,
+    kv_cache_dtype: str = "auto",
+    k_scale: float | torch.Tensor = 1.0,  # one value (per tensor)
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, num_heads, kv_lora_rank] query dtype, [T, num_heads] float32)
+    fmt = check_mla_attention_inputs(
+        "partial_mla_decode_attention", q_latent, q_pe, kv_cache, block_table, seq_lens, query_start_loc,
+        scale=scale, kv_cache_dtype=kv_cache_dtype,
+    )  # fmt: skip
+    rank = kv_cache.shape[2] - q_pe.shape[2]
+    if q_latent.shape[2] != rank:
+        raise ValueError(
+            f"partial_mla_decode_attention: q_latent {tuple(q_latent.shape)} must be [T, H, kv_lora_rank={rank}]"
+        )
+    k_scale32 = float(mla_scale("partial_mla_decode_attention", fmt, k_scale))
+    check_mla_tensors("partial_mla_decode_attention", q_latent, q_pe, kv_cache, block_table, seq_lens, query_start_loc)
+    if use_triton(q_latent.device):
+        from fast.kernels.mla_attention import mla_decode_triton  # lazily: the CPU path needs no Triton
+
+        out = torch.zeros_like(q_latent)  # rows no program stores (padding) stay empty states: 0 and -inf
+        lse = torch.full(q_latent.shape[:2], float("-inf"), dtype=torch.float32, device=q_latent.device)
+        mla_decode_triton(
+            out, rows_contiguous(q_latent), rows_contiguous(q_pe), codes(kv_cache) if fmt is not None else kv_cache,
+            *(t if t.stride(-1) == 1 else t.contiguous() for t in (block_table, seq_lens, query_start_loc)),
+            scale=float(scale), fmt=fmt, k_scale=k_scale32, cp=cp, lse=lse,
+        )  # fmt: skip
+        return out, lse
+    query = torch.cat((q_latent, q_pe), dim=2)  # [T, H, L + R]
+    entries = kv_cache  # [num_blocks, bs, L + R]
+    if fmt is not None:  # codes -> decode(code) * k_scale in float32: spec's values, the query widened to match
+        entries = codes(kv_cache).view(torch_dtype(fmt)).float() * k_scale32
+        query = query.float()
+    out, lse = partial_paged_attention(
+        query, entries[:, :, None], entries[:, :, None], block_table, seq_lens, query_start_loc, cp=cp, scale=scale
+    )  # one KV head: the entry is the key and the value
+    return out[:, :, :rank].to(q_latent.dtype).contiguous(), lse
 
 
 def merge_attention_states(

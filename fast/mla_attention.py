@@ -55,13 +55,13 @@ def mla_decode_attention(
             f"(kv_cache {tuple(kv_cache.shape)} less rope_dim {q_pe.shape[2]})"
         )
     k_scale32 = float(mla_scale("mla_decode_attention", fmt, k_scale))
-    _check_tensors("mla_decode_attention", q_latent, q_pe, kv_cache, block_table, seq_lens, query_start_loc)
+    check_mla_tensors("mla_decode_attention", q_latent, q_pe, kv_cache, block_table, seq_lens, query_start_loc)
     if use_triton(q_latent.device):
         from fast.kernels.mla_attention import mla_decode_triton  # lazily: the CPU path needs no Triton
 
         out = torch.zeros_like(q_latent)  # padding rows past the last query stay 0
         mla_decode_triton(
-            out, _rows_contiguous(q_latent), _rows_contiguous(q_pe), codes(kv_cache) if fmt is not None else kv_cache,
+            out, rows_contiguous(q_latent), rows_contiguous(q_pe), codes(kv_cache) if fmt is not None else kv_cache,
             *(t if t.stride(-1) == 1 else t.contiguous() for t in (block_table, seq_lens, query_start_loc)),
             scale=float(scale), fmt=fmt, k_scale=k_scale32,
         )  # fmt: skip
@@ -102,7 +102,7 @@ def _decode_host(
     return narrowed(out32[:, :, :rank].contiguous(), q_latent.dtype)
 
 
-def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
+def rows_contiguous(x: torch.Tensor) -> torch.Tensor:
     """x with stride 1 along its last axis, the one the kernel addresses without a stride."""
     return x if x.stride(-1) == 1 or x.shape[-1] <= 1 else x.contiguous()
 
@@ -128,7 +128,9 @@ def mla_prefill_attention(
     rank = kv_cache.shape[2] - q_pe.shape[2]
     check_up_projections(q_nope, w_uk, w_uv, rank)
     k_scale32 = float(mla_scale("mla_prefill_attention", fmt, k_scale))
-    _check_tensors("mla_prefill_attention", q_nope, q_pe, kv_cache, w_uk, w_uv, block_table, seq_lens, query_start_loc)
+    check_mla_tensors(
+        "mla_prefill_attention", q_nope, q_pe, kv_cache, w_uk, w_uv, block_table, seq_lens, query_start_loc
+    )
     query, q_rope = q_nope.detach().float(), q_pe.detach().float()
     w_k, w_v = w_uk.detach().float(), w_uv.detach().float()
     out = torch.zeros((*q_nope.shape[:2], w_uv.shape[2]), dtype=torch.float32, device=q_nope.device)
@@ -168,7 +170,7 @@ def _softmax(logits: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:  # [H
     return torch.softmax(logits.masked_fill(~visible[None], -torch.inf), dim=-1)
 
 
-def _check_tensors(function: str, *tensors: torch.Tensor) -> None:
+def check_mla_tensors(function: str, *tensors: torch.Tensor) -> None:
     """What torch adds to spec's contract: one device, and a float dtype torch computes in."""
     if len({t.device for t in tensors}) != 1:
         raise ValueError(f"{function}: tensors on several devices: {[str(t.device) for t in tensors]}")

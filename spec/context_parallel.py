@@ -22,6 +22,14 @@ returning the partial output and its log-sum-exp per query token and head (`part
 output 0 and LSE -inf (an empty state); merging only empty states gives output 0 and LSE -inf, never NaN.
 The merge of all ranks' partials equals spec.attention.paged_attention on the single-rank layout.
 
+MLA (spec/mla_cache.py, spec/mla_attention.py) is DCP's main user (DeepSeek): an mla group is sharded as any
+other, its latent entries taking the slots above (what a slot holds does not change which slot a token
+takes). Its reader is partial_mla_decode_attention: the absorbed decode is multi-query attention with one KV
+head whose key and value are both the latent entry [c, k_pe], against the query [q_latent, q_pe]
+(`q_latent . c + q_pe . k_pe` is that one dot product), so it is partial_paged_attention over the latent cache
+viewed with a head axis of 1, keeping the output's first kv_lora_rank columns (the latent c; the RoPE columns
+of the value are dropped). Its merge equals spec.mla_attention.mla_decode_attention on the single-rank layout.
+
 Numerics: as spec.attention, computed in the dtype of the inputs; the LSE has the query's dtype.
 """
 
@@ -34,7 +42,10 @@ from typing import Any
 import numpy as np
 
 from spec.attention import check_attention_inputs
+from spec.fp8 import dequantize
 from spec.kv_cache import dtype_name, is_float
+from spec.mla_attention import check_mla_attention_inputs
+from spec.mla_cache import mla_scale
 from spec.types import PAD_SLOT_ID, SLOT_DTYPE, BatchInputs, WorkerConfig, is_integral
 
 __all__ = [
@@ -44,6 +55,7 @@ __all__ = [
     "local_kv_positions",
     "local_seq_lens",
     "merge_attention_states",
+    "partial_mla_decode_attention",
     "partial_paged_attention",
     "rank_inputs",
 ]
@@ -211,6 +223,40 @@ def partial_paged_attention(
         row_out, row_lse = _normalise(logits, values)
         out[q_start:q_end], lse[q_start:q_end] = row_out, row_lse
     return out, lse
+
+
+def partial_mla_decode_attention(
+    q_latent: np.ndarray,  # [T, num_heads, kv_lora_rank] every query of the batch, q_nope absorbed through W_UK
+    q_pe: np.ndarray,  # [T, num_heads, rope_dim] already rotated
+    kv_cache: np.ndarray,  # [num_blocks, bs, kv_lora_rank + rope_dim], this rank's latent cache
+    block_table: np.ndarray,  # [num_reqs, max_blocks] batch_idx -> block ids (the pool's gathered table)
+    seq_lens: np.ndarray,  # [num_reqs] the requests' full lengths (not the local ones)
+    query_start_loc: np.ndarray,  # [num_reqs + 1]
+    *,
+    cp: ContextParallel,
+    scale: float,
+    kv_cache_dtype: str = "auto",
+    k_scale: float | np.ndarray = 1.0,  # one value (per tensor)
+) -> tuple[np.ndarray, np.ndarray]:  # ([T, num_heads, kv_lora_rank] in latent space, [T, num_heads] LSE)
+    """MLA's absorbed decode over the latent entries this rank holds: the output and its log-sum-exp, empty
+    states as partial_paged_attention's. The model applies W_UV to the merged output, not to the partials."""
+    fmt = check_mla_attention_inputs(
+        "partial_mla_decode_attention", q_latent, q_pe, kv_cache, block_table, seq_lens, query_start_loc,
+        scale=scale, kv_cache_dtype=kv_cache_dtype,
+    )  # fmt: skip
+    rank = kv_cache.shape[2] - q_pe.shape[2]
+    if q_latent.shape[2] != rank:
+        raise ValueError(
+            f"partial_mla_decode_attention: q_latent {tuple(q_latent.shape)} must be [T, H, kv_lora_rank={rank}]"
+        )
+    k_scale32 = mla_scale("partial_mla_decode_attention", fmt, k_scale)
+    entries = kv_cache if fmt is None else dequantize(kv_cache, fmt, np.asarray(k_scale32), q_latent.dtype.type)
+    entries = entries[:, :, None, :]  # [num_blocks, bs, 1, L + R]: one KV head, the key and the value alike
+    query = np.concatenate([q_latent, q_pe], axis=2)  # [T, H, L + R]
+    out, lse = partial_paged_attention(
+        query, entries, entries, block_table, seq_lens, query_start_loc, cp=cp, scale=scale
+    )
+    return np.ascontiguousarray(out[:, :, :rank]), lse
 
 
 def _normalise(logits: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

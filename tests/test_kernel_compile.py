@@ -240,10 +240,13 @@ def write_mla_kv_launch(dtype: torch.dtype, rank: int, rope_dim: int, slots: int
     return _only(launches)
 
 
-def mla_decode_launch(dtype: torch.dtype, num_heads: int, rope_dim: int, fmt_name: str | None) -> Launch:
+def mla_decode_launch(dtype: torch.dtype, num_heads: int, rope_dim: int, fmt_name: str | None,
+                      dcp: bool = False) -> Launch:  # fmt: skip
     """MLA's absorbed decode (fast/kernels/mla_attention.py) at DeepSeek's kv_lora_rank 512: its 16 heads per
-    device under tensor parallelism, all 128 of one device, a NoPE latent, fp8 codes."""
+    device under tensor parallelism, all 128 of one device, a NoPE latent, fp8 codes; with `dcp` one rank's
+    partial state under decode context parallelism (DCP's positions, the LSE stored)."""
     from fast.kernels.mla_attention import mla_decode_triton
+    from spec.context_parallel import ContextParallel
     from spec.fp8 import E4M3, E5M2
 
     num_reqs, num_tokens, rank = 2, 6, 512
@@ -252,9 +255,11 @@ def mla_decode_launch(dtype: torch.dtype, num_heads: int, rope_dim: int, fmt_nam
     cache = torch.empty((64, 16, rank + rope_dim), dtype=dtype if fmt_name is None else torch.uint8, device="meta")
     fmt = None if fmt_name is None else (E4M3 if fmt_name == "e4m3" else E5M2)
     index = functools.partial(torch.empty, dtype=torch.int32, device="meta")
+    lse = torch.empty((num_tokens, num_heads), dtype=torch.float32, device="meta")  # [T, H]: the partial state's
     with captured_launches() as launches:
         mla_decode_triton(torch.empty_like(q_latent), q_latent, q_pe, cache, index((num_reqs, 8)), index(num_reqs),
-                          index(num_reqs + 1), scale=0.1, fmt=fmt, k_scale=0.5)  # fmt: skip
+                          index(num_reqs + 1), scale=0.1, fmt=fmt, k_scale=0.5,
+                          cp=ContextParallel(4, 1, 2) if dcp else None, lse=lse if dcp else None)  # fmt: skip
     return _only(launches)
 
 
@@ -332,6 +337,9 @@ def _cases() -> dict[str, tuple[Callable[[], Launch], tuple[int, ...]]]:
     ):
         launch = functools.partial(mla_decode_launch, dtype, heads, rope_dim, fmt_name)
         cases[f"mla_decode-{name}-h{heads}-l512-r{rope_dim}-{fmt_name or 'auto'}"] = (launch, ARCHS)
+    for (name, dtype), fmt_name in ((("bf16", torch.bfloat16), None), (("bf16", torch.bfloat16), "e4m3")):
+        launch = functools.partial(mla_decode_launch, dtype, 16, 64, fmt_name, dcp=True)
+        cases[f"mla_decode-{name}-h16-l512-r64-{fmt_name or 'auto'}-dcp"] = (launch, ARCHS)
     for num_tokens in (5, 8192):  # a tile below BLOCK_TOKENS and the full one
         cases[f"mrope_positions-t{num_tokens}"] = (functools.partial(mrope_launch, num_tokens), ARCHS)
     return cases

@@ -12,6 +12,12 @@ Per tile of BLOCK_N key positions the entry [c, k_pe] is loaded once, row by pos
 masked causally, then an online softmax in float32 and `acc += p . c`, the same tile of c as the value. The
 output stays in latent space [T, H, kv_lora_rank]; the model applies W_UV.
 
+Under decode context parallelism (DCP: a `ContextParallel`, spec/context_parallel.py) the cache is one rank's
+share: its entry j holds position `(j // I) * (CP*I) + r*I + j % I`, so the key loop walks the rank's own entries
+(those below the local length of the tile's visible range) and masks by those positions; with `lse` the kernel
+also stores each row's log-sum-exp (-inf for a row that saw no key: an empty state, output 0), the partial state
+spec.context_parallel.partial_mla_decode_attention returns. Without DCP entry j is position j, as before.
+
 fp8 caches (FP8_MANTISSA > 0): uint8 codes decoded as fast.kernels.paged_attention decodes them (bits moved into
 a float16, exact), then cast to the query's dtype. The one scale of the cache applies as FlashInfer's do: the
 logits' scale times k_scale, the output times k_scale (the value is the same entry).
@@ -24,6 +30,7 @@ import triton
 import triton.language as tl
 
 from fast.runtime import interpret_enabled, kernel
+from spec.context_parallel import ContextParallel
 from spec.fp8 import Fp8Format
 
 BLOCK_M_MIN = 16  # tl.dot needs >= 16 rows
@@ -54,6 +61,8 @@ def mla_decode_triton(
     scale: float,
     fmt: Fp8Format | None = None,  # a cache of uint8 codes of this format, or None: the query's dtype
     k_scale: float = 1.0,  # the cache's one scale, for an fp8 cache
+    cp: ContextParallel | None = None,  # kv_cache is rank cp.rank's share; seq_lens stay the full lengths
+    lse: torch.Tensor | None = None,  # [T, num_heads] float32, -inf-filled, written in place: each row's LSE
 ) -> None:
     num_tokens, num_heads, rank = q_latent.shape
     _, block_size, width = kv_cache.shape
@@ -62,14 +71,19 @@ def mla_decode_triton(
     if num_tokens == 0 or num_reqs == 0:  # nothing to attend; empty tensors' strides mean nothing
         return
     _check_launch(out, q_latent, q_pe, kv_cache, block_table, seq_lens, query_start_loc, fmt)
+    if lse is not None and (lse.shape != q_latent.shape[:2] or lse.dtype != torch.float32 or lse.stride(1) != 1):
+        raise ValueError(f"mla_decode_attention: lse {tuple(lse.shape)} {lse.dtype} must be [T, H] float32, "
+                         "stride 1 along its heads")  # fmt: skip
+    world, rank_of_cp, interleave = (1, 0, 1) if cp is None else (cp.world_size, cp.rank, cp.interleave)
     heads_pad, block_m, block_q = query_tile(num_heads)
     fp32_dot = q_latent.dtype == torch.float32 or (q_latent.dtype == torch.bfloat16 and interpret_enabled())
     grid = (num_tokens // block_q + num_reqs, triton.cdiv(num_heads, heads_pad))
     _mla_decode_kernel[grid](
-        out, q_latent, q_pe, kv_cache, block_table, seq_lens, query_start_loc,
-        num_reqs, num_heads, rank, rope_dim, block_size, float(scale), float(k_scale),
+        out, q_latent, q_pe, kv_cache, block_table, seq_lens, query_start_loc, out if lse is None else lse,
+        num_reqs, num_heads, rank, rope_dim, block_size, float(scale), float(k_scale), world, rank_of_cp, interleave,
         q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1), out.stride(0), out.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
+        kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0), 0 if lse is None else lse.stride(0),
+        DCP=cp is not None, STORE_LSE=lse is not None,
         BLOCK_Q=block_q, HEADS_PAD=heads_pad, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
         BLOCK_L=max(16, triton.next_power_of_2(rank)), BLOCK_R=max(16, triton.next_power_of_2(max(rope_dim, 1))),
         HAS_ROPE=rope_dim > 0, FP32_DOT=fp32_dot, FP8_MANTISSA=0 if fmt is None else fmt.mantissa_bits,
@@ -122,6 +136,7 @@ def _mla_decode_kernel(
     block_table_ptr,  # [num_reqs, max_blocks] batch_idx -> physical block ids
     seq_lens_ptr,  # [num_reqs]
     query_start_loc_ptr,  # [num_reqs + 1]
+    lse_ptr,  # [T, num_heads] float32, read only with STORE_LSE
     num_reqs,
     num_heads,
     rank,  # kv_lora_rank
@@ -129,6 +144,9 @@ def _mla_decode_kernel(
     block_size,
     scale,
     k_scale,  # read only for an fp8 cache
+    cp_world,  # DCP: ranks the cache is spread over (read only with DCP)
+    cp_rank,  # DCP: the rank whose share kv_cache is
+    cp_interleave,  # DCP: consecutive positions a rank holds before the next rank's turn
     q_latent_stride_t,
     q_latent_stride_h,
     q_pe_stride_t,
@@ -138,6 +156,9 @@ def _mla_decode_kernel(
     cache_stride_b,  # per physical block
     cache_stride_o,  # per offset within a block
     block_table_stride,  # per batch row
+    lse_stride_t,  # per query token of lse
+    DCP: tl.constexpr,  # kv_cache holds rank cp_rank's share of each request's positions (spec/context_parallel.py)
+    STORE_LSE: tl.constexpr,  # store each row's log-sum-exp: the partial state the DCP merge weighs
     BLOCK_Q: tl.constexpr,  # query tokens per program
     HEADS_PAD: tl.constexpr,  # query heads per program (a power of 2)
     BLOCK_M: tl.constexpr,  # BLOCK_Q * HEADS_PAD rows: row m is token m // HEADS_PAD, head m % HEADS_PAD
@@ -194,6 +215,10 @@ def _mla_decode_kernel(
         )  # [BLOCK_M, BLOCK_R]
 
     kv_end = tl.minimum(seq_len, context_len + local_tile * BLOCK_Q + BLOCK_Q)  # causal: up to the last query
+    turn = cp_world * cp_interleave
+    if DCP:  # the entries this rank holds of positions [0, kv_end): spec.context_parallel.local_seq_lens
+        rest = tl.minimum(tl.maximum(kv_end % turn - cp_rank * cp_interleave, 0), cp_interleave)
+        kv_end = kv_end // turn * cp_interleave + rest
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, tl.float32)
     acc = tl.full([BLOCK_M, BLOCK_L], 0.0, tl.float32)
@@ -203,10 +228,14 @@ def _mla_decode_kernel(
     table_row = block_table_ptr + tl.cast(req, tl.int64) * block_table_stride
     cols = tl.arange(0, BLOCK_N)
     for tile_start in range(0, kv_end, BLOCK_N):
-        k_pos = tile_start + cols  # [BLOCK_N]
-        k_mask = k_pos < kv_end  # never read past the visible range
-        phys = tl.load(table_row + k_pos // block_size, mask=k_mask, other=0).to(tl.int64)
-        entry = kv_cache_ptr + phys * cache_stride_b + (k_pos % block_size) * cache_stride_o  # [BLOCK_N]
+        k_idx = tile_start + cols  # [BLOCK_N] entries of the cache's paged sequence
+        k_mask = k_idx < kv_end  # never read past the visible range
+        phys = tl.load(table_row + k_idx // block_size, mask=k_mask, other=0).to(tl.int64)
+        entry = kv_cache_ptr + phys * cache_stride_b + (k_idx % block_size) * cache_stride_o  # [BLOCK_N]
+        if DCP:  # noqa: SIM108 - the position entry j of this rank holds (spec.context_parallel.local_kv_positions)
+            k_pos = (k_idx // cp_interleave) * turn + cp_rank * cp_interleave + k_idx % cp_interleave
+        else:
+            k_pos = k_idx
         c = tl.load(entry[:, None] + lat[None, :], mask=k_mask[:, None] & lat_mask[None, :], other=0.0)
         if HAS_ROPE:
             pe = tl.load(entry[:, None] + rank + rope[None, :], mask=k_mask[:, None] & rope_mask[None, :], other=0.0)
@@ -249,7 +278,10 @@ def _mla_decode_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c)
         m_i = m_new
 
-    acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # a row that saw no key keeps 0: the empty state
+    if STORE_LSE:  # m_i is the row's largest logit (times scale, and k_scale for fp8) and l_i its sum of exp past it
+        row_lse = tl.where(l_i > 0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))  # [BLOCK_M]
+        tl.store(lse_ptr + token * lse_stride_t + head, row_lse, mask=row_mask)
     if FP8_MANTISSA > 0:  # the value is the same scaled entry: its scale multiplies the output
         acc = acc * k_scale
     tl.store(
