@@ -274,6 +274,21 @@ def explore(
         ),
     ] = False,
     step: Annotated[int | None, typer.Option(min=1, help="the step the page opens at (default: the first)")] = None,
+    graphs: Annotated[
+        str | None,
+        typer.Option(
+            "--graphs",
+            callback=options.graph_sizes,
+            help="prepare every step with captured graphs of these token counts (e.g. 4,8,16,32): the page draws "
+            "the padding tokens and padded request rows",
+        ),
+    ] = None,
+    graph_mode: Annotated[
+        str | None,
+        typer.Option(callback=options.graph_mode, help="with --graphs: the cudagraph mode (FULL_AND_PIECEWISE)"),
+    ] = None,
+    ubatch: Annotated[bool, typer.Option("--ubatch", help="mark each step's micro-batch split")] = False,
+    mla: Annotated[bool, typer.Option("--mla", help="an MLA model: its full-attention group an mla group")] = False,
     screenshot: Annotated[
         Path | None,
         typer.Option(callback=options.suffix("png"), help="also save a picture of the page as it opens (Chromium)"),
@@ -288,7 +303,19 @@ def explore(
         raise typer.BadParameter(
             "--requests, --spec-tokens and --reuse-freed-first need --seed (the worked example is fixed)"
         )
-    run = worked_example_run() if seed is None else seeded_run(seed, requests, spec_tokens, reuse_freed_first)
+    if graph_mode is not None and graphs is None:
+        raise typer.BadParameter("--graph-mode needs --graphs")
+    captured = None
+    if graphs is not None:
+        from slotmap.pictures.steps import SEEDED_CONFIG, captured_graphs, worked_example
+
+        config = SEEDED_CONFIG if seed is not None else worked_example().config
+        mode = graph_mode or "FULL_AND_PIECEWISE"
+        captured = captured_graphs(config, options.sizes_of(graphs), mode, spec_tokens=spec_tokens)
+    if seed is None:
+        run = worked_example_run(captured, ubatch, mla)
+    else:
+        run = seeded_run(seed, requests, spec_tokens, reuse_freed_first, graphs=captured, ubatch=ubatch, mla=mla)
     if step is not None:
         if step > len(run.steps):
             raise typer.BadParameter(f"the run has {len(run.steps)} steps, got --step {step}", param_hint="--step")
