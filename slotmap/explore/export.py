@@ -40,7 +40,7 @@ from slotmap.explore.changes import step_changes
 from slotmap.explore.record import Run, StepRecord
 from slotmap.pictures.explanation import PALETTE
 from slotmap.pictures.ubatch import explain_ubatch
-from spec.types import CachedRequest
+from spec.types import NULL_BLOCK_ID, CachedRequest
 
 # one-letter codes keep the page small (a 200-request run lists some 10,000 blocks); the page names them
 ROW_STATUS = {"s": "scheduled", "i": "not scheduled", "p": "preempted"}
@@ -162,10 +162,14 @@ def _padding(step: StepRecord) -> dict[str, Any]:
     d = ex.descriptor
     graph = None if d is None else [d.mode, d.num_tokens, d.num_reqs, d.uniform, d.max_query_len]
     pad_rows = [
-        [p.batch_idx, p.req_state_idx, p.num_scheduled_tokens, p.seq_len, all(b == 0 for t in p.block_tables for b in t)]
+        [p.batch_idx, p.req_state_idx, p.num_scheduled_tokens, p.seq_len, _null_only(p.block_tables)]
         for p in ex.padded_rows
     ]
     return {"num_tokens": ex.num_tokens, "graph": graph, "pad_rows": pad_rows}
+
+
+def _null_only(tables: tuple[tuple[int, ...], ...]) -> bool:
+    return all(b == NULL_BLOCK_ID for t in tables for b in t)
 
 
 def _ubatch(step: StepRecord, r: Callable[[str], int], wanted: bool) -> dict[str, Any]:
@@ -175,7 +179,9 @@ def _ubatch(step: StepRecord, r: Callable[[str], int], wanted: bool) -> dict[str
         ux = explain_ubatch(step.view)
     except ValueError as e:  # spec's refusal: a step of one token, or none, has no two halves
         return {"ubatch": {"refused": str(e)}}
-    halves = [[h.token_start, h.token_stop, h.request_start, h.request_stop, list(h.query_start_loc)] for h in ux.halves]
+    halves = [
+        [h.token_start, h.token_stop, h.request_start, h.request_stop, list(h.query_start_loc)] for h in ux.halves
+    ]
     straddling = -1 if ux.straddling is None else r(ux.straddling)
     return {"ubatch": {"split": ux.split_point, "halves": halves, "straddling": straddling}}
 

@@ -19,16 +19,14 @@ from conformance.scheduler.request import Status
 from shadow.checker import ShadowStep
 from slotmap.explore.record import Recorder, Run
 from slotmap.pictures.steps import SEEDED_CONFIG, with_mla_group
-from spec.graphs import CapturedGraphs
 from spec.drafts import pad_accepted
+from spec.graphs import CapturedGraphs
 from spec.types import PLACEHOLDER_TOKEN_ID, SchedulerOutput, WorkerConfig
 
 SEEDED_REQUESTS = 6  # `slotmap explain --seed`'s workload
 
 
-def worked_example_run(
-    graphs: CapturedGraphs | None = None, ubatch: bool = False, mla: bool = False
-) -> Run:
+def worked_example_run(graphs: CapturedGraphs | None = None, ubatch: bool = False, mla: bool = False) -> Run:
     """Step 1 prefills A and B (B samples 777), step 2 is the articles' step: B decodes 1 token, A prefills 8.
 
     `graphs`: each step prepared for its captured graph; `ubatch`: the page marks the micro-batch split;

@@ -153,7 +153,8 @@ def _draw_mla_paths(ax: Axes, ex: Explanation, mla: MlaExplanation, x: float, to
     for r in ex.batch_rows:
         decode = kernel_row[r.batch_idx] < mla.split.num_decodes
         y = top - ROW * (r.batch_idx + 1.5)
-        ax.text(x, y, "MLA decode" if decode else "MLA prefill", va="center", fontsize=7, weight="bold" if decode else None)
+        label, weight = ("MLA decode", "bold") if decode else ("MLA prefill", None)
+        ax.text(x, y, label, va="center", fontsize=7, weight=weight)
 
 
 def _draw_ubatch(ax: Axes, ux: UbatchExplanation, shown: int, y: float, bottom: float) -> None:
@@ -164,11 +165,10 @@ def _draw_ubatch(ax: Axes, ux: UbatchExplanation, shown: int, y: float, bottom: 
         left, right = LEFT + h.token_start, LEFT + min(h.token_stop, shown)
         if right <= left:
             continue
-        ax.annotate("", xy=(left, y + 0.45), xytext=(right, y + 0.45), arrowprops={"arrowstyle": "<->", "color": "crimson"})
-        ax.text(
-            (left + right) / 2, y + 0.85, f"ubatch {i}: rows [{h.request_start}, {h.request_stop}), qsl {list(h.query_start_loc)}",
-            ha="center", va="center", fontsize=7, color="crimson",
-        )  # fmt: skip
+        arrow = {"arrowstyle": "<->", "color": "crimson"}
+        ax.annotate("", xy=(left, y + 0.45), xytext=(right, y + 0.45), arrowprops=arrow)
+        label = f"ubatch {i}: rows [{h.request_start}, {h.request_stop}), qsl {list(h.query_start_loc)}"
+        ax.text((left + right) / 2, y + 0.85, label, ha="center", va="center", fontsize=7, color="crimson")
 
 
 def _draw_tokens(ax: Axes, ex: Explanation, tokens: tuple[TokenRow, ...], y: float) -> float:

@@ -63,8 +63,9 @@ def render_graphs(ex: Explanation, console: Console, pad_seq_len: int) -> None:
             rows.add_column(f"block_tables[{g}] row")
         for p in ex.padded_rows:
             rows.add_row(
-                str(p.batch_idx), str(p.req_state_idx), str(p.num_scheduled_tokens), f"[{p.token_start}, {p.token_end})",
-                str(p.seq_len), *(str(list(t)) for t in p.block_tables), style="dim",
+                str(p.batch_idx), str(p.req_state_idx), str(p.num_scheduled_tokens),
+                f"[{p.token_start}, {p.token_end})", str(p.seq_len), *(str(list(t)) for t in p.block_tables),
+                style="dim",
             )  # fmt: skip
         console.print(rows)
     else:

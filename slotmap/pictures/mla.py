@@ -1,4 +1,4 @@
-"""`slotmap explain --mla [--topk K]`: a step of an MLA model (spec/mla_cache.py, spec/mla_split.py, spec/sparse_topk.py).
+"""`slotmap explain --mla [--topk K]`: a step of an MLA model (spec/mla_cache.py, mla_split.py, sparse_topk.py).
 
 An mla group's slots are an attention group's; what a slot holds differs: one vector per token,
 kv_lora_rank latent elements then qk_rope_head_dim RoPE-key elements, no head axis, no value cache
@@ -141,7 +141,9 @@ def render_mla(mx: MlaExplanation, console: Console) -> None:
             f"{len(lb.offsets)} × [{mx.kv_lora_rank} | {mx.rope_dim}]",
         )  # fmt: skip
     console.print(blocks)
-    split = Table(title=f"MLA decode/prefill split, decode-first order (a decode: not prefilling, <= {mx.threshold} tokens)")
+    split = Table(
+        title=f"MLA decode/prefill split, decode-first order (a decode: not prefilling, <= {mx.threshold} tokens)"
+    )
     for col in ("kernel row", "batch_idx", "req_id", "query len", "path"):
         split.add_column(col, justify="right")
     for new, b in enumerate(mx.order):

@@ -87,14 +87,15 @@ def run_to_step(
     if step < 1:
         raise ValueError(f"step must be >= 1, got {step}")
     pool = backend.make_pool(config)
+    with_graphs: dict[str, Any] = {} if graphs is None else {"graphs": graphs}  # a backend may predate graphs
     taken = 0
     for number, sched in enumerate(outputs, start=1):
         taken = number
         pool.apply(sched)
         if number == step:
-            batch = pool.prepare(sched, pad_to, graphs=graphs)
+            batch = pool.prepare(sched, pad_to, **with_graphs)
             return StepView(config, pool.snapshot(), backend.batch_to_numpy(batch), title, inputs=batch)
-        batch = pool.prepare(sched, graphs=graphs)
+        batch = pool.prepare(sched, **with_graphs)
         pool.record_sampled(batch, backend.asarray(np.array(sample(batch.req_ids, number), np.int64)))
     raise ValueError(f"step {step} requested but the schedule has only {taken} steps")
 
@@ -189,6 +190,7 @@ def seeded_step(
     knobs = SchedulerKnobs(max_chunk=12, pad_buckets=(8, 16, 24), spec_tokens=spec_tokens)
     sched = ReferenceScheduler(config, workload, knobs, seed=seed)
     pool = backend.make_pool(config)
+    with_graphs: dict[str, Any] = {} if graphs is None else {"graphs": graphs}  # a backend may predate graphs
     sampler = random.Random(seed)
     for number in range(1, step + 1):
         if sched.done():
@@ -197,7 +199,7 @@ def seeded_step(
         padded = None if graphs is not None else sched.pad_to(out)
         pool.apply(out)
         if number == step:
-            batch = pool.prepare(out, padded if pad_to is None else pad_to, graphs=graphs)
+            batch = pool.prepare(out, padded if pad_to is None else pad_to, **with_graphs)
             drafts = sum(len(d) for d in out.scheduled_spec_decode_tokens.values())
             title = (
                 f"seed {seed}, step {step}: {batch.num_reqs} requests in the batch "
@@ -206,7 +208,7 @@ def seeded_step(
             )
             numpy_batch = backend.batch_to_numpy(batch) | draft_fields(backend, batch)
             return StepView(config, pool.snapshot(), numpy_batch, title, workload, batch, seed)
-        batch = pool.prepare(out, padded, graphs=graphs)
+        batch = pool.prepare(out, padded, **with_graphs)
         tokens = [sampler.randrange(config.vocab_size) for _ in batch.req_ids]
         taking = set(sched.sampling_req_ids(out))
         kept = sched.rejection_step(out, {r: t for r, t in zip(batch.req_ids, tokens, strict=True) if r in taking})

@@ -74,7 +74,7 @@ def render_ubatch(ux: UbatchExplanation, console: Console) -> None:
         )  # fmt: skip
     console.print(table)
     if ux.straddling is not None:
-        first, second = ux.halves
+        first = ux.halves[0]
         cut = first.seq_lens[first.req_ids.index(ux.straddling)]
         console.print(
             f"{ux.straddling} straddles the split: in both halves; the first half's seq_len for it is cut to {cut} "
