@@ -35,7 +35,7 @@ from slotmap.explore.browser import BrowserUnavailableError, find_browser, headl
 from slotmap.explore.export import export_run
 from slotmap.explore.page import render_page
 from slotmap.pictures.explanation import explain_step
-from slotmap.pictures.steps import seeded_step
+from slotmap.pictures.steps import SEEDED_CONFIG, captured_graphs, seeded_step
 from spec.types import (
     PAD_SLOT_ID,
     CachedRequest,
@@ -85,6 +85,57 @@ def test_the_worked_example_exports_the_articles_numbers() -> None:
     assert step["written"] == [[12, 44]]
     rows = {reqs[r]: (row, entries) for row, r, _, _, _, _, entries, _ in step["rows"]}
     assert rows["A"] == (6, [[81, 44]]) and rows["B"] == (7, [[37, 12]])
+
+
+def _graphs_run() -> Any:
+    graphs = captured_graphs(SEEDED_CONFIG, (4, 8, 16, 32), "FULL")
+    return graphs, seeded_run(0, graphs=graphs, ubatch=True, mla=True)
+
+
+def test_a_run_with_graphs_exports_each_steps_padding_as_slotmap_explain_shows_it() -> None:
+    graphs, run = _graphs_run()
+    data = export_run(run)
+    assert data["config"]["groups"][0]["latent"] == [512, 64] and data["config"]["groups"][1]["latent"] is None
+    padded_somewhere = False
+    for number, step in enumerate(data["steps"], start=1):
+        batch = seeded_step(SPEC, 0, number, graphs=graphs, mla=True).batch  # spec's arrays by explain's path
+        num_reqs, num_tokens = len(batch["req_ids"]), int(batch["num_tokens"])
+        assert step["num_tokens"] == num_tokens
+        # the smallest graph that fits; a step without tokens runs no graph
+        padded = next((s for s in (4, 8, 16, 32) if s >= num_tokens), None) if num_tokens else None
+        if padded is None:
+            assert step["graph"][0] == "NONE" and step["pad_rows"] == []
+            continue
+        rows = min(padded, SEEDED_CONFIG.max_num_reqs)  # a mixed FULL graph's request rows
+        assert step["graph"][:3] == ["FULL", padded, rows], number
+        assert len(step["tokens"]["position"]) == padded
+        assert step["tokens"]["batch"][num_tokens:] == [-1] * (padded - num_tokens)
+        assert all(g["slot"][num_tokens:] == [PAD_SLOT_ID] * (padded - num_tokens) for g in step["tokens"]["groups"])
+        assert step["pad_rows"] == [[b, -1, 0, 0, True] for b in range(num_reqs, rows)], number
+        assert step["qsl"][num_reqs + 1 :] == [num_tokens] * (rows - num_reqs)
+        padded_somewhere |= rows > num_reqs
+    assert padded_somewhere
+
+
+def test_a_run_with_ubatch_marks_each_steps_split_at_half_its_padded_tokens() -> None:
+    _, run = _graphs_run()
+    data = export_run(run)
+    straddled = False
+    for step in data["steps"]:
+        qsl, total = step["qsl"][: len(step["batch"]) + 1], len(step["tokens"]["position"])
+        u = step["ubatch"]
+        if total < 2:
+            assert "refused" in u
+            continue
+        split = total // 2
+        assert u["split"] == split
+        (s0, e0, *_), (s1, e1, *_) = u["halves"]
+        assert (s0, e0, s1, e1) == (0, split, split, total)
+        inside = [b for b in range(len(qsl) - 1) if qsl[b] < split < qsl[b + 1]]  # the request cut by the split
+        assert u["straddling"] == (step["batch"][inside[0]][0] if inside else -1)
+        straddled |= bool(inside)
+    assert straddled
+    assert all(s["ubatch"] is None for s in export_run(seeded_run(0, max_steps=3))["steps"])
 
 
 def test_the_page_loads_nothing_from_the_network() -> None:
@@ -232,6 +283,8 @@ def test_the_command_writes_a_page_that_opens_where_asked(tmp_path: Path) -> Non
         (["--seed", "0", "--step", "999"], "steps"),
         (["-o", "page.txt"], ".html"),
         (["--screenshot", "page.jpg"], ".png"),
+        (["--graph-mode", "FULL"], "--graph-mode needs --graphs"),
+        (["--graphs", "8,4"], "ascending"),
     ],
 )
 def test_misuse_ends_in_one_line(args: list[str], message: str, tmp_path: Path) -> None:
@@ -445,4 +498,36 @@ def test_steps_without_tokens_show_an_empty_batch(browser: Any, tmp_path: Path) 
         browser.find_element("id", "step-next").click()
     assert texts[0] == texts[2] == ([], "no tokens in this step")
     assert texts[1][0] == [0] and "slot 4" in texts[1][1]  # block 1, offset 0: slot 1 * 4 + 0
+    assert browser.get_log("browser") == []
+
+
+def test_padding_rows_tokens_and_the_split_are_drawn_apart_from_the_requests(browser: Any, tmp_path: Path) -> None:
+    graphs = captured_graphs(worked_example().config, (16,), "FULL")
+    _open(browser, worked_example_run(graphs, ubatch=True, mla=True), tmp_path, "padded")
+    read = """
+    const all = (s) => [...document.querySelectorAll(s)];
+    return {
+      padTokens: all(".token.pad").map((e) => Number(e.dataset.flat)),
+      padSlots: all(".slot.pad").map((e) => Number(e.textContent)),
+      padRows: all(".pad-row").map((e) => [...e.children].map((c) => c.textContent)),
+      split: all(".token.ubatch-split").map((e) => Number(e.dataset.flat)),
+      halves: all("#ubatch .half").map((e) => e.textContent),
+      graph: document.getElementById("graph").textContent,
+      mapping: document.getElementById("index-mapping").textContent,
+      groups: document.getElementById("config").textContent,
+    };"""
+    seen = browser.execute_script(read)
+    # the articles' step: 9 real tokens padded to the 16-token graph, 2 rows to min(16, 8) = 8
+    assert seen["padTokens"] == list(range(9, 16)) and seen["padSlots"] == [PAD_SLOT_ID] * 7
+    assert seen["padRows"] == [[str(b), "padding", "-1", "0", "[9, 9)", "0"] for b in range(2, 8)]
+    assert seen["mapping"] == "index_mapping = [7, 6, -1, -1, -1, -1, -1, -1]"
+    assert seen["graph"].startswith("captured graph: FULL, 16 tokens (9 real), 8 request rows (2 real)")
+    assert seen["split"] == [8]  # 16 // 2
+    assert seen["halves"] == [
+        "ubatch 0: tokens [0, 8), rows [0, 2), query_start_loc [0, 1, 8]",
+        "ubatch 1: tokens [8, 16), rows [1, 8), query_start_loc [0, 1, 1, 1, 1, 1, 1, 1]",
+    ]
+    assert "MLA latent 512 + rope 64 per slot" in seen["groups"]
+    browser.find_element("css selector", '.token[data-flat="12"]').click()
+    assert "is padding" in browser.find_element("id", "path").text
     assert browser.get_log("browser") == []

@@ -112,6 +112,45 @@ def explain(
             "each request starts from and the ones it writes (its drafts' too)",
         ),
     ] = False,
+    graphs: Annotated[
+        str | None,
+        typer.Option(
+            "--graphs",
+            callback=options.graph_sizes,
+            help="prepare with captured graphs of these token counts (e.g. 1,2,4,8,16): shows the descriptor the "
+            "step replays, each row's class, and the padding rows and tokens",
+        ),
+    ] = None,
+    graph_mode: Annotated[
+        str | None,
+        typer.Option(callback=options.graph_mode, help="with --graphs: the cudagraph mode (FULL_AND_PIECEWISE)"),
+    ] = None,
+    profile: Annotated[
+        str | None,
+        typer.Option(
+            callback=options.profile,
+            help="with --graphs: what padded request rows hold: flashattention (default), flashinfer, flashmla",
+        ),
+    ] = None,
+    ubatch: Annotated[
+        bool, typer.Option("--ubatch", help="also show the step split into two micro-batches (dual-batch overlap)")
+    ] = False,
+    split_at: Annotated[
+        int | None,
+        typer.Option(help="with --ubatch: the first flat token of the second half (default: padded tokens // 2)"),
+    ] = None,
+    mla: Annotated[
+        bool,
+        typer.Option(
+            "--mla",
+            help="an MLA model (its full-attention group an mla group): shows the latent blocks and the MLA "
+            "decode/prefill split",
+        ),
+    ] = False,
+    topk: Annotated[
+        int,
+        typer.Option(min=0, help="with --mla: the batch's last token selects K positions (seeded), shown with slots"),
+    ] = 0,
 ) -> None:
     """Show one step in the four index spaces: state rows, batch, flat tokens, each token's path to its slot."""
     from conformance.backends import load_backend
@@ -131,19 +170,53 @@ def explain(
     ):
         if given and seed is None:
             raise typer.BadParameter(f"{flag} needs --seed (the worked example {why})")
+    for flag, given, needs in (
+        ("--graph-mode", graph_mode is not None, "--graphs"),
+        ("--profile", profile is not None, "--graphs"),
+        ("--split-at", split_at is not None, "--ubatch"),
+        ("--topk", topk, "--mla"),
+    ):
+        if given and not {"--graphs": graphs, "--ubatch": ubatch, "--mla": mla}[needs]:
+            raise typer.BadParameter(f"{flag} needs {needs}")
+    if graphs is not None and pad_to is not None:
+        raise typer.BadParameter("--pad-to and --graphs are two answers to how far to pad: give one")
     handle = load_backend(backend)
+    config = steps.SEEDED_CONFIG if seed is not None else steps.worked_example().config
+    captured = None
+    if graphs is not None:
+        captured = steps.captured_graphs(
+            config, options.sizes_of(graphs), graph_mode or "FULL_AND_PIECEWISE",
+            options.PROFILE_NAMES[profile or "flashattention"], spec_tokens,
+        )  # fmt: skip
     try:
         if seed is None:
-            view = steps.worked_example_step(handle, 2 if step is None else step, pad_to)
+            view = steps.worked_example_step(handle, 2 if step is None else step, pad_to, captured, mla)
         else:
             view = steps.seeded_step(
-                handle, seed, step, pad_to, spec_tokens, async_scheduling, encoder_decoder, mrope=mrope, hybrid=hybrid
-            )
+                handle, seed, step, pad_to, spec_tokens, async_scheduling, encoder_decoder, mrope=mrope, hybrid=hybrid,
+                graphs=captured, mla=mla,
+            )  # fmt: skip
     except ValueError as e:  # a step past the schedule, or a pad_to below the step's tokens
         raise typer.BadParameter(str(e)) from e
+    split = mla_view = None
+    if ubatch:
+        from slotmap.pictures.ubatch import explain_ubatch
+
+        try:
+            split = explain_ubatch(view, split_at)
+        except ValueError as e:  # spec's UbatchSplitError: a split point past the batch, a record it cannot split
+            raise typer.BadParameter(str(e), param_hint="--split-at" if split_at is not None else "--ubatch") from e
+    if mla:
+        from slotmap.pictures.mla import explain_mla
+
+        mla_view = explain_mla(view, topk)
     ex = explain_step(view)
     console = Console()
     render(ex, console)
+    if captured is not None:
+        from slotmap.pictures.graphs import render_graphs
+
+        render_graphs(ex, console, captured.profile.pad_seq_len)
     families: list[tuple[bool, Callable[[steps.StepView], Any], Callable[[Any, Console], None]]] = [
         (encoder_decoder, explain_cross, render_cross),
         (mrope, explain_mrope, render_mrope),
@@ -165,11 +238,19 @@ def explain(
         except ValueError as e:  # a block size the ranks cannot split
             raise typer.BadParameter(str(e)) from e
         render_ranks(ranks, console)
+    if split is not None:
+        from slotmap.pictures.ubatch import render_ubatch
+
+        render_ubatch(split, console)
+    if mla_view is not None:
+        from slotmap.pictures.mla import render_mla
+
+        render_mla(mla_view, console)
     for path, fmt in ((svg, "svg"), (png, "png")):
         if path is not None:
             from slotmap.pictures.drawing import save_picture
 
-            save_picture(ex, path, fmt)
+            save_picture(ex, path, fmt, ubatch=split, mla=mla_view)
             console.print(f"wrote {path}")
 
 
@@ -193,6 +274,21 @@ def explore(
         ),
     ] = False,
     step: Annotated[int | None, typer.Option(min=1, help="the step the page opens at (default: the first)")] = None,
+    graphs: Annotated[
+        str | None,
+        typer.Option(
+            "--graphs",
+            callback=options.graph_sizes,
+            help="prepare every step with captured graphs of these token counts (e.g. 4,8,16,32): the page draws "
+            "the padding tokens and padded request rows",
+        ),
+    ] = None,
+    graph_mode: Annotated[
+        str | None,
+        typer.Option(callback=options.graph_mode, help="with --graphs: the cudagraph mode (FULL_AND_PIECEWISE)"),
+    ] = None,
+    ubatch: Annotated[bool, typer.Option("--ubatch", help="mark each step's micro-batch split")] = False,
+    mla: Annotated[bool, typer.Option("--mla", help="an MLA model: its full-attention group an mla group")] = False,
     screenshot: Annotated[
         Path | None,
         typer.Option(callback=options.suffix("png"), help="also save a picture of the page as it opens (Chromium)"),
@@ -207,7 +303,19 @@ def explore(
         raise typer.BadParameter(
             "--requests, --spec-tokens and --reuse-freed-first need --seed (the worked example is fixed)"
         )
-    run = worked_example_run() if seed is None else seeded_run(seed, requests, spec_tokens, reuse_freed_first)
+    if graph_mode is not None and graphs is None:
+        raise typer.BadParameter("--graph-mode needs --graphs")
+    captured = None
+    if graphs is not None:
+        from slotmap.pictures.steps import SEEDED_CONFIG, captured_graphs, worked_example
+
+        config = SEEDED_CONFIG if seed is not None else worked_example().config
+        mode = graph_mode or "FULL_AND_PIECEWISE"
+        captured = captured_graphs(config, options.sizes_of(graphs), mode, spec_tokens=spec_tokens)
+    if seed is None:
+        run = worked_example_run(captured, ubatch, mla)
+    else:
+        run = seeded_run(seed, requests, spec_tokens, reuse_freed_first, graphs=captured, ubatch=ubatch, mla=mla)
     if step is not None:
         if step > len(run.steps):
             raise typer.BadParameter(f"the run has {len(run.steps)} steps, got --step {step}", param_hint="--step")

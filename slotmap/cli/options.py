@@ -78,3 +78,41 @@ def positive(value: float | None) -> float | None:
     if value is not None and not value > 0:
         raise typer.BadParameter(f"must be more than 0 seconds, got {value}")
     return value
+
+
+# `explain --profile` names -> spec.padding_profiles.PROFILES keys: the attention backends' own spellings
+PROFILE_NAMES = {"flashattention": "flash_attn", "flashinfer": "flashinfer", "flashmla": "flashmla"}
+
+
+def graph_sizes(text: str | None) -> str | None:
+    """`--graphs 1,2,4,8`: capture sizes as spec's CapturedGraphs takes them (ascending, distinct, positive)."""
+    if text is None:
+        return None
+    from spec.graphs import CapturedGraphs
+
+    try:
+        CapturedGraphs(sizes_of(text), max_num_reqs=1)  # its checks of the sizes, before any step runs
+    except ValueError as e:
+        raise typer.BadParameter(str(e).replace("CapturedGraphs.capture_sizes", "the sizes")) from None
+    return text
+
+
+def sizes_of(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise typer.BadParameter(f"{text!r}: give token counts separated by commas, e.g. 1,2,4,8,16") from None
+
+
+def graph_mode(mode: str | None) -> str | None:
+    from spec.graphs import GRAPH_MODES
+
+    if mode is not None and mode not in GRAPH_MODES:
+        raise typer.BadParameter(f"{mode!r} is not a cudagraph mode: one of {', '.join(GRAPH_MODES)}")
+    return mode
+
+
+def profile(name: str | None) -> str | None:
+    if name is not None and name not in PROFILE_NAMES:
+        raise typer.BadParameter(f"{name!r} is not a padding profile: one of {', '.join(PROFILE_NAMES)}")
+    return name

@@ -2,7 +2,8 @@
 
 Layout (every list in index order; `r` is an index into `reqs`):
 
-    config  {max_num_reqs, max_model_len, max_num_batched_tokens, groups: [{block_size, num_blocks, window}]}
+    config  {max_num_reqs, max_model_len, max_num_batched_tokens,
+             groups: [{block_size, num_blocks, window, latent: [kv_lora_rank, rope_dim] (an mla group) | null}]}
     reqs    [req_id]                       colours [css colour] per request
     start_step  the step the page opens at (from 1)
     steps   [{title,
@@ -20,7 +21,13 @@ Layout (every list in index order; `r` is an index into `reqs`):
               kv:      [per group [[block, kind (BLOCK_KIND), holders, released, stale]]] (the listed blocks;
                         each list is [r, logical block, r, logical block, ...], trailing empty lists left out),
               written: [per group [blocks this step's tokens write]],
-              changes: [[kind, r, text]]}]
+              changes: [[kind, r, text]],
+              num_tokens: the real tokens (the rest of `tokens` is padding),
+              graph:   [mode, padded tokens, padded request rows, uniform, max query len] | null (no graphs),
+              pad_rows: [[batch_idx, index_mapping, num_scheduled, seq_len, every block-table entry 0]] (a FULL
+                        graph's request rows past the real ones),
+              ubatch:  {split, halves: [[token start, token stop, row start, row stop, [rebased qsl]]],
+                        straddling: r | -1} | {refused: why} | null (the run was not asked to split)}]
 """
 
 from __future__ import annotations
@@ -32,7 +39,8 @@ from slotmap.explore.blocks import HELD, NULL, RELEASED, SHARED, STALE, block_us
 from slotmap.explore.changes import step_changes
 from slotmap.explore.record import Run, StepRecord
 from slotmap.pictures.explanation import PALETTE
-from spec.types import CachedRequest
+from slotmap.pictures.ubatch import explain_ubatch
+from spec.types import NULL_BLOCK_ID, CachedRequest
 
 # one-letter codes keep the page small (a 200-request run lists some 10,000 blocks); the page names them
 ROW_STATUS = {"s": "scheduled", "i": "not scheduled", "p": "preempted"}
@@ -53,7 +61,7 @@ def export_run(run: Run) -> dict[str, Any]:
     for step in run.steps:
         resumed = {c.req_id for c in step.sched.cached_requests if c.resumed}
         waiting = (waiting | step.preempted) - resumed - set(step.sched.finished_req_ids)
-        steps.append(_step(step, r, past_holders, waiting))
+        steps.append(_step(step, r, past_holders, waiting) | _padding(step) | _ubatch(step, r, run.ubatch))
         for row in step.view.snapshot:
             past_holders[row.row] = row.req_id
     config = run.config
@@ -65,7 +73,12 @@ def export_run(run: Run) -> dict[str, Any]:
             "max_model_len": config.max_model_len,
             "max_num_batched_tokens": config.max_num_batched_tokens,
             "groups": [
-                {"block_size": g.block_size, "num_blocks": g.num_blocks, "window": g.sliding_window}
+                {
+                    "block_size": g.block_size,
+                    "num_blocks": g.num_blocks,
+                    "window": g.sliding_window,
+                    "latent": [g.kv_lora_rank, g.qk_rope_head_dim] if g.kv_lora_rank else None,
+                }
                 for g in config.kv_groups
             ],
         },
@@ -142,6 +155,35 @@ def _step(step: StepRecord, r: Callable[[str], int], past_holders: dict[int, str
         "written": written,
         "changes": [[c.kind, r(c.req_id), c.text] for c in step_changes(step, past_holders)],
     }
+
+
+def _padding(step: StepRecord) -> dict[str, Any]:
+    ex = step.explanation
+    d = ex.descriptor
+    graph = None if d is None else [d.mode, d.num_tokens, d.num_reqs, d.uniform, d.max_query_len]
+    pad_rows = [
+        [p.batch_idx, p.req_state_idx, p.num_scheduled_tokens, p.seq_len, _null_only(p.block_tables)]
+        for p in ex.padded_rows
+    ]
+    return {"num_tokens": ex.num_tokens, "graph": graph, "pad_rows": pad_rows}
+
+
+def _null_only(tables: tuple[tuple[int, ...], ...]) -> bool:
+    return all(b == NULL_BLOCK_ID for t in tables for b in t)
+
+
+def _ubatch(step: StepRecord, r: Callable[[str], int], wanted: bool) -> dict[str, Any]:
+    if not wanted:
+        return {"ubatch": None}
+    try:
+        ux = explain_ubatch(step.view)
+    except ValueError as e:  # spec's refusal: a step of one token, or none, has no two halves
+        return {"ubatch": {"refused": str(e)}}
+    halves = [
+        [h.token_start, h.token_stop, h.request_start, h.request_stop, list(h.query_start_loc)] for h in ux.halves
+    ]
+    straddling = -1 if ux.straddling is None else r(ux.straddling)
+    return {"ubatch": {"split": ux.split_point, "halves": halves, "straddling": straddling}}
 
 
 def _cached(c: CachedRequest, r: Callable[[str], int]) -> list[Any]:

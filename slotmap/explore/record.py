@@ -18,6 +18,7 @@ from conformance.backends import load_backend
 from conformance.driving import draft_fields, sampled_array
 from slotmap.pictures.explanation import Explanation, explain_step
 from slotmap.pictures.steps import StepView
+from spec.graphs import CapturedGraphs
 from spec.types import BatchInputs, PoolSnapshot, SchedulerOutput, WorkerConfig
 
 
@@ -44,13 +45,15 @@ class Run:
     title: str
     steps: tuple[StepRecord, ...]
     start_step: int = 1  # the step the page opens at
+    ubatch: bool = False  # the page marks each step's micro-batch split (spec/ubatch.py, default split point)
 
 
 class Recorder:
     """spec's pool plus the record of every step driven through it."""
 
-    def __init__(self, config: WorkerConfig) -> None:
+    def __init__(self, config: WorkerConfig, graphs: CapturedGraphs | None = None) -> None:
         self.config = config
+        self.graphs = graphs  # every step prepared for the graph it dispatches to (then no pad_to)
         self.pool = spec.RequestStatePool(config)
         self.steps: list[StepRecord] = []
         self._numpy = load_backend("spec")
@@ -65,10 +68,10 @@ class Recorder:
             raise RuntimeError("record the previous step's sampled tokens before the next step")
         before = self.pool.snapshot()
         self.pool.apply(sched)
-        batch = self.pool.prepare(sched, pad_to)
+        batch = self.pool.prepare(sched, pad_to, graphs=self.graphs)
         arrays = self._numpy.batch_to_numpy(batch) | draft_fields(self._numpy, batch)
         title = title or f"step {len(self.steps) + 1}"
-        view = StepView(self.config, self.pool.snapshot(), arrays, title)
+        view = StepView(self.config, self.pool.snapshot(), arrays, title, inputs=batch)
         self._open = (sched, pad_to, before, view, batch, frozenset(preempted))
         return batch
 
@@ -91,7 +94,7 @@ class Recorder:
         self.steps.append(StepRecord(number, sched, pad_to, before, view, self.pool.snapshot(), preempted))
         self._open = None
 
-    def run(self, title: str, start_step: int = 1) -> Run:
+    def run(self, title: str, start_step: int = 1, ubatch: bool = False) -> Run:
         if self._open is not None:
             raise RuntimeError("the last step has no sampled tokens recorded")
-        return Run(self.config, title, tuple(self.steps), start_step)
+        return Run(self.config, title, tuple(self.steps), start_step, ubatch)

@@ -18,21 +18,25 @@ from conformance.scheduler import ReferenceScheduler, SchedulerKnobs, make_workl
 from conformance.scheduler.request import Status
 from shadow.checker import ShadowStep
 from slotmap.explore.record import Recorder, Run
-from slotmap.pictures.steps import SEEDED_CONFIG
+from slotmap.pictures.steps import SEEDED_CONFIG, with_mla_group
 from spec.drafts import pad_accepted
+from spec.graphs import CapturedGraphs
 from spec.types import PLACEHOLDER_TOKEN_ID, SchedulerOutput, WorkerConfig
 
 SEEDED_REQUESTS = 6  # `slotmap explain --seed`'s workload
 
 
-def worked_example_run() -> Run:
-    """Step 1 prefills A and B (B samples 777), step 2 is the articles' step: B decodes 1 token, A prefills 8."""
+def worked_example_run(graphs: CapturedGraphs | None = None, ubatch: bool = False, mla: bool = False) -> Run:
+    """Step 1 prefills A and B (B samples 777), step 2 is the articles' step: B decodes 1 token, A prefills 8.
+
+    `graphs`: each step prepared for its captured graph; `ubatch`: the page marks the micro-batch split;
+    `mla`: the one group an mla group of the same block size (the same blocks and slots)."""
     ex = worked_example()
-    recorder = Recorder(ex.config)
+    recorder = Recorder(with_mla_group(ex.config) if mla else ex.config, graphs)
     for number, sched in enumerate((ex.step1, ex.step2), start=1):
         batch = recorder.step(sched, title=f"worked example, step {number}")
         recorder.sampled(ex.sampled_after_step1(batch.req_ids))
-    return recorder.run("the articles' worked example", start_step=2)
+    return recorder.run("the articles' worked example" + (", an MLA model" if mla else ""), 2, ubatch)
 
 
 def seeded_run(
@@ -41,13 +45,17 @@ def seeded_run(
     spec_tokens: int = 0,
     reuse_freed_first: bool = False,
     max_steps: int | None = None,
+    graphs: CapturedGraphs | None = None,
+    ubatch: bool = False,
+    mla: bool = False,
 ) -> Run:
     """The reference scheduler's run of seed `seed`'s workload, to its end (or `max_steps`).
 
     `reuse_freed_first` hands out freed blocks before fresh ones, as vLLM's allocator does: a block a
-    window released comes back at once, to another request or to the same one.
+    window released comes back at once, to another request or to the same one. `graphs`, `ubatch` and `mla`
+    as worked_example_run's (with graphs, the scheduler's padding buckets are not used).
     """
-    config = SEEDED_CONFIG
+    config = with_mla_group(SEEDED_CONFIG) if mla else SEEDED_CONFIG
     workload = make_workload(
         seed, config, num_requests=requests, max_arrival_step=max(3, requests // 2), max_new_tokens=8
     )
@@ -55,13 +63,14 @@ def seeded_run(
         max_chunk=12, pad_buckets=(8, 16, 24), spec_tokens=spec_tokens, reuse_freed_first=reuse_freed_first
     )
     sched = ReferenceScheduler(config, workload, knobs, seed=seed)
-    recorder = Recorder(config)
+    recorder = Recorder(config, graphs)
     sampler = random.Random(seed)
     while not sched.done() and (max_steps is None or len(recorder.steps) < max_steps):
         running = [r.req_id for r in sched.running]
         out = sched.schedule()
         preempted = [r for r in running if sched.requests[r].status is Status.PREEMPTED]
-        batch = recorder.step(out, sched.pad_to(out), preempted, title=f"seed {seed}, step {len(recorder.steps) + 1}")
+        pad_to = None if graphs is not None else sched.pad_to(out)
+        batch = recorder.step(out, pad_to, preempted, title=f"seed {seed}, step {len(recorder.steps) + 1}")
         tokens = [sampler.randrange(config.vocab_size) for _ in batch.req_ids]
         taking = set(sched.sampling_req_ids(out))
         kept = sched.rejection_step(out, {r: t for r, t in zip(batch.req_ids, tokens, strict=True) if r in taking})
@@ -72,7 +81,10 @@ def seeded_run(
         sched.update(out, kept)
     drafts = f", up to {spec_tokens} drafts per request" if spec_tokens else ""
     reuse = ", freed blocks reused first" if reuse_freed_first else ""
-    return recorder.run(f"seed {seed}: {requests} requests through the reference scheduler{drafts}{reuse}")
+    mla_model = ", an MLA model" if mla else ""
+    return recorder.run(
+        f"seed {seed}: {requests} requests through the reference scheduler{drafts}{reuse}{mla_model}", ubatch=ubatch
+    )
 
 
 def shadow_run(config: WorkerConfig, steps: Sequence[ShadowStep], title: str = "an engine's run") -> Run:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from slotmap.pictures.steps import StepView
+from spec.graphs import BatchDescriptor
 from spec.types import PAD_SLOT_ID
 
 # One colour per request (matplotlib's tab10), shared by the terminal and the pictures.
@@ -43,6 +44,21 @@ class BatchRow:
     token_end: int  # query_start_loc[batch_idx + 1]
     seq_len: int
     num_drafts: int = 0  # its last num_drafts tokens are drafts (speculative decoding)
+    is_prefilling: bool | None = None  # row_classes: some of its tokens are prompt tokens (None: no classes)
+    is_decode: bool | None = None  # row_classes: not prefilling and at most 1 + K tokens
+
+
+@dataclass(frozen=True)
+class PaddedRow:
+    """A request row a FULL graph replays past the real ones (spec/padding.py): it names no request."""
+
+    batch_idx: int  # in [num_reqs, num_reqs_padded)
+    req_state_idx: int  # index_mapping[batch_idx], NO_REQUEST (-1)
+    num_scheduled_tokens: int  # 0
+    token_start: int  # query_start_loc[batch_idx]: the real token count
+    token_end: int  # query_start_loc[batch_idx + 1]: the same (a query of length 0)
+    seq_len: int  # the padding profile's value
+    block_tables: tuple[tuple[int, ...], ...]  # per group: block_tables[g][batch_idx], every entry the null block
 
 
 @dataclass(frozen=True)
@@ -80,6 +96,8 @@ class GroupInfo:
     block_size: int
     sliding_window: int | None
     kind: str = "attention"  # spec.types.GROUP_KINDS
+    kv_lora_rank: int = 0  # an mla group's latent part of each slot's vector (0 for other kinds)
+    qk_rope_head_dim: int = 0  # an mla group's RoPE key part of each slot's vector
 
 
 @dataclass(frozen=True)
@@ -93,6 +111,9 @@ class Explanation:
     colours: dict[str, str]  # req_id -> colour
     logits_indices: tuple[int, ...] = ()  # [num_reqs + num_drafts] flat token indices whose logits are sampled
     has_drafts: bool = False
+    padded_rows: tuple[PaddedRow, ...] = ()  # [num_reqs_padded - num_reqs] the graph's request rows past the real
+    descriptor: BatchDescriptor | None = None  # the graph the batch replays; None: prepared without graphs
+    num_tokens: int = 0  # real tokens: the rest of `tokens` are padding
 
     def colour(self, req_id: str | None) -> str:
         return PAD_COLOUR if req_id is None else self.colours[req_id]
@@ -110,12 +131,21 @@ def explain_step(view: StepView) -> Explanation:
     )
     has_drafts = batch.get("num_draft_tokens") is not None
     num_drafts = [int(k) for k in batch["num_draft_tokens"]] if has_drafts else [0] * len(req_ids)
+    prefilling, decode = batch.get("row_classes.is_prefilling"), batch.get("row_classes.is_decode")
     batch_rows = tuple(
         BatchRow(
             b, r, int(index_mapping[b]), int(batch["num_scheduled_tokens"][b]), qsl[b], qsl[b + 1],
             int(batch["seq_lens"][b]), num_drafts[b],
+            None if prefilling is None else bool(prefilling[b]), None if decode is None else bool(decode[b]),
         )
         for b, r in enumerate(req_ids)
+    )  # fmt: skip
+    padded_rows = tuple(
+        PaddedRow(
+            b, int(index_mapping[b]), int(batch["num_scheduled_tokens"][b]), qsl[b], qsl[b + 1],
+            int(batch["seq_lens"][b]), tuple(tuple(int(x) for x in t[b]) for t in batch["block_tables"]),
+        )
+        for b in range(len(req_ids), len(index_mapping))
     )  # fmt: skip
     logits_indices = [int(i) for i in batch["logits_indices"]]
     logits_row = {flat: row for row, flat in enumerate(logits_indices)}  # flat token index -> logits row
@@ -149,7 +179,7 @@ def explain_step(view: StepView) -> Explanation:
     colours = {r: PALETTE[i % len(PALETTE)] for i, r in enumerate(by_colour)}
     return Explanation(
         view.title,
-        tuple(GroupInfo(g.block_size, g.sliding_window, g.kind) for g in groups),
+        tuple(GroupInfo(g.block_size, g.sliding_window, g.kind, g.kv_lora_rank, g.qk_rope_head_dim) for g in groups),
         state_rows,
         batch_rows,
         tuple(qsl),
@@ -157,12 +187,18 @@ def explain_step(view: StepView) -> Explanation:
         colours,
         tuple(logits_indices),
         has_drafts,
+        padded_rows,
+        batch.get("descriptor"),
+        int(batch["num_tokens"]),
     )
 
 
 def group_label(g: int, group: GroupInfo) -> str:
     window = "" if group.sliding_window is None else f", window {group.sliding_window}"
-    return f"group {g} (block_size {group.block_size}{window})"
+    latent = ""
+    if group.kv_lora_rank:  # an mla group: a slot holds one latent vector, not per-head keys and values
+        latent = f", latent {group.kv_lora_rank} + rope {group.qk_rope_head_dim} per slot"
+    return f"group {g} (block_size {group.block_size}{window}{latent})"
 
 
 def address_path(token: TokenRow, g: int) -> str:

@@ -34,7 +34,10 @@
   const tables = (perGroup) => perGroup.map(list).join(" / ");
   function groupName(g) {
     const group = GROUPS[g];
-    return `group ${g} (block_size ${group.block_size}${group.window === null ? "" : ", window " + group.window})`;
+    const window = group.window === null ? "" : ", window " + group.window;
+    // an mla group: each slot holds one latent vector (kv_c, then the RoPE key part k_pe)
+    const latent = group.latent ? `, MLA latent ${group.latent[0]} + rope ${group.latent[1]} per slot` : "";
+    return `group ${g} (block_size ${group.block_size}${window}${latent})`;
   }
   const pairs = (flat) => { const out = []; for (let i = 0; i + 1 < (flat || []).length; i += 2) out.push([flat[i], flat[i + 1]]); return out; };
 
@@ -104,10 +107,21 @@
         el("td", { text: b }), el("td", { class: "req name" }, reqLabel(r)), el("td", { text: rowIdx }), el("td", { text: n }),
         el("td", { text: `[${start}, ${end})` }), el("td", { text: seqLen }), drafts ? el("td", { text: k }) : null));
     });
+    // a FULL graph's request rows past the real ones: they name no request (index_mapping -1)
+    for (const [b, rowIdx, n, seqLen, nullBlocks] of s.pad_rows) {
+      table.append(el("tr", { class: "batch-row pad-row", "data-batch": b, "data-row": rowIdx },
+        el("td", { text: b }), el("td", { class: "req name", text: "padding" }), el("td", { text: rowIdx }), el("td", { text: n }),
+        el("td", { text: `[${s.num_tokens}, ${s.num_tokens})` }), el("td", { text: seqLen, title: nullBlocks ? "block-table row: the null block only" : "" }),
+        drafts ? el("td", { text: "" }) : null));
+    }
     if (s.batch.length === 0) table.append(el("tr", {}, el("td", { text: "(nothing scheduled this step)" })));
     document.getElementById("batch-arrays").replaceChildren(
-      el("code", { id: "index-mapping", text: "index_mapping = " + list(s.batch.map((b) => b[1])) }), "  ",
+      el("code", { id: "index-mapping", text: "index_mapping = " + list([...s.batch.map((b) => b[1]), ...s.pad_rows.map((p) => p[1])]) }), "  ",
       el("code", { id: "query-start-loc", text: "query_start_loc = " + list(s.qsl) }));
+    const g = s.graph;
+    document.getElementById("graph").textContent = g === null ? "" :
+      `captured graph: ${g[0]}, ${g[1]} tokens (${s.num_tokens} real), ${g[2]} request rows (${s.batch.length} real), uniform ${g[3]}, max query len ${g[4]}` +
+      (s.pad_rows.length ? `; padded rows: index_mapping -1, 0 tokens, seq_len ${s.pad_rows[0][3]}, block-table rows of the null block` : "");
   }
 
   function tokenLabel(s, t) {
@@ -123,10 +137,19 @@
     strip.replaceChildren();
     const tok = s.tokens;
     const starts = new Set(s.qsl.slice(0, -1));
+    const u = s.ubatch;
+    const info = document.getElementById("ubatch");
+    info.replaceChildren();
+    if (u && u.refused) info.append(`micro-batches: not split (${u.refused})`);
+    else if (u) u.halves.forEach(([start, stop, rowStart, rowStop, qsl], i) => info.append(el("span", { class: "half", "data-half": i },
+      `ubatch ${i}: tokens [${start}, ${stop}), rows [${rowStart}, ${rowStop}), query_start_loc ${list(qsl)}`)));
+    if (u && !u.refused && u.straddling >= 0) info.append(`${req(u.straddling)} straddles the split: in both halves`);
+    const split = u && !u.refused ? u.split : -1;
     for (let t = 0; t < tok.position.length; t++) {
       const b = tok.batch[t];
       const r = b < 0 ? null : s.batch[b][0];
-      const classes = ["token", b < 0 ? "pad" : "", tok.draft && tok.draft[t] ? "draft" : "", b >= 0 && starts.has(t) ? "qsl-start" : ""];
+      const classes = ["token", b < 0 ? "pad" : "", tok.draft && tok.draft[t] ? "draft" : "", b >= 0 && starts.has(t) ? "qsl-start" : "",
+        t === split ? "ubatch-split" : ""];
       strip.append(el("button", {
         type: "button", class: classes.join(" "), "data-flat": t, tabindex: "-1", "aria-label": tokenLabel(s, t),
         style: r === null ? null : `--c:${colour(r)}`, onclick: () => select(t, true),
@@ -143,7 +166,7 @@
       const row = el("div", { class: "slot-row", "data-group": g }, el("span", { class: "label", text: `slot_mappings[${g}], ${groupName(g)}` }));
       grp.slot.forEach((slot, t) => {
         const b = s.tokens.batch[t];
-        row.append(el("span", { class: "slot", "data-flat": t, "data-group": g, title: `flat token ${t}: slot ${slot}`,
+        row.append(el("span", { class: b < 0 ? "slot pad" : "slot", "data-flat": t, "data-group": g, title: `flat token ${t}: slot ${slot}`,
           style: b < 0 ? null : `--c:${colour(s.batch[b][0])}` }, slot));
       });
       box.append(row);
