@@ -208,7 +208,7 @@ class _ModeBackend:
         # split_batch_of), on the pool's device
         self.dummy_batch = _in_mode(functools.partial(fast.dummy.dummy_batch, device=device), enabled)
         self.split_batch = _in_mode(fast.ubatch.split_batch, enabled)
-        self.CapturedGraphs = fast.CapturedGraphs  # noqa: N815 - the type's name, as spec and fast export it
+        self.CapturedGraphs = fast.CapturedGraphs
         # the engine layouts (optional part of a backend, docs/porting.md), in the same kernel mode
         self.interop = types.SimpleNamespace(
             **{name: _in_mode(getattr(fast.interop, name), enabled) for name in INTEROP_FUNCTIONS}

@@ -136,8 +136,8 @@ class Pair:
         dummy: tuple[int, CapturedGraphs | None] | None = None,  # this rank's dummy batch of a peer's count
         split_at: Callable[[BatchInputs], tuple[int | None, ...]] = lambda batch: (),  # where to split the batch
     ) -> Step:
-        shape = {"graphs": graphs, "dummy": dummy}
-        self.pending = Step(out, pad_to, (), **shape)  # type: ignore[arg-type]
+        shape: dict[str, Any] = {"graphs": graphs, "dummy": dummy}
+        self.pending = Step(out, pad_to, (), **shape)
         self._call("apply", lambda side: side.pool.apply(out))
         self.compare_snapshots("after apply")
         if self.misuse is not None:
@@ -152,17 +152,17 @@ class Pair:
             compare_dummy(self, *dummy)
         splits = split_at(ref_batch)
         shape["splits"] = splits
-        self.pending = Step(out, pad_to, (), **shape)  # type: ignore[arg-type]
+        self.pending = Step(out, pad_to, (), **shape)
         compare_splits(self, out, ref_batch, cand_batch, splits)
         if self.misuse is not None and splits:
             probe_misuse(self, out, graphs, (ref_batch, cand_batch), self.misuse)
         if not record:
             self.pending = None
-            return Step(out, pad_to, (), recorded=False, **shape)  # type: ignore[arg-type]
+            return Step(out, pad_to, (), recorded=False, **shape)
         tokens = _frozen(sampled(ref_batch))
         rows = proposed(ref_batch)
         drafter = None if rows is None else tuple(tuple(int(t) for t in row) for row in rows)
-        self.pending = Step(out, pad_to, tokens, proposed=drafter, **shape)  # type: ignore[arg-type]
+        self.pending = Step(out, pad_to, tokens, proposed=drafter, **shape)
         ids = np.array(tokens, np.int64)
         next_ids = None if drafter is None else np.array(drafter, np.int64).reshape(len(drafter), -1)
         self._record(self.ref, ref_batch, ids, next_ids)
@@ -172,7 +172,7 @@ class Pair:
             raise MismatchError(f"record_sampled: candidate raised {exc!r}, reference did not") from exc
         self.compare_snapshots("after record_sampled")
         self.pending = None
-        return Step(out, pad_to, tokens, proposed=drafter, **shape)  # type: ignore[arg-type]
+        return Step(out, pad_to, tokens, proposed=drafter, **shape)
 
     @staticmethod
     def _record(side: _Side, batch: BatchInputs, ids: np.ndarray, next_ids: np.ndarray | None) -> None:

@@ -46,9 +46,7 @@ def compare_dummy(pair: Pair, num_tokens: int, graphs: CapturedGraphs | None) ->
     make = dummy_batch_of(pair.cand.handle)
     if make is not None:
         cand = make(pair.config, num_tokens, graphs)
-        problems = batch_differences(
-            pair.ref.handle.batch_to_numpy(ref), pair.cand.handle.batch_to_numpy(cand)
-        )
+        problems = batch_differences(pair.ref.handle.batch_to_numpy(ref), pair.cand.handle.batch_to_numpy(cand))
         if problems:
             raise MismatchError("dummy batch differs:\n  " + "\n  ".join(problems))
     COUNTS["dummy"] += 1
@@ -60,8 +58,8 @@ def compare_dummy(pair: Pair, num_tokens: int, graphs: CapturedGraphs | None) ->
         before = [np.array(c) for c in pair.ref.caches[g]]
         slots = ref.slot_mappings[g], pair.cand.handle.asarray(np.asarray(ref.slot_mappings[g]))
         n = ref.num_tokens_padded
-        pair.write_random_kv(g, n, n, *slots, f"write_kv[{g}] (dummy batch)", _fp8_arguments(pair.attention, np.asarray),
-                             _fp8_arguments(pair.attention, pair.cand.handle.asarray))  # fmt: skip
+        fp8 = _fp8_arguments(pair.attention, np.asarray), _fp8_arguments(pair.attention, pair.cand.handle.asarray)
+        pair.write_random_kv(g, n, n, *slots, f"write_kv[{g}] (dummy batch)", *fp8)
         if any(not np.array_equal(b, c) for b, c in zip(before, pair.ref.caches[g], strict=True)):
             raise MismatchError(f"write_kv[{g}] of a dummy batch changed the KV cache: its slots are not all PAD")
 

@@ -97,9 +97,9 @@ from spec.types import PLACEHOLDER_TOKEN_ID, BatchInputs, SchedulerOutput, Worke
 
 __all__ = [
     "DRAFT_FIELDS",
-    "EnginePadding",
     "REQUEST_FIELDS",
     "TOKEN_FIELDS",
+    "EnginePadding",
     "ShadowChecker",
     "ShadowMismatchError",
     "ShadowRefusalError",
@@ -243,7 +243,7 @@ class ShadowChecker:
         except ScheduleError as error:  # on_refusal="raise": the pool is as before, the step is not recorded
             raise self._report(self._refusal([error], frozenset(), len(self.steps)), [*self.steps, step]) from error
         self.steps.append(step)
-        batch = self._batch = self.pool.prepare(applied) if graphs is None else self.pool.prepare(applied, graphs=graphs)
+        batch = self._batch = self.pool.prepare(applied, graphs=graphs)
         skipped = frozenset(r for r in step.req_ids if r in self._lost or r in dropped)
         self._track(step.sched, applied, dropped)
         num_scheduled, num_drafts, _ = record_facts(step.sched)
