@@ -32,6 +32,7 @@ from spec.async_steps import PENDING_FIELDS
 from spec.graphs import CapturedGraphs
 from spec.protocol import Backend, MlaBackend, SparseBackend, StatePool
 from spec.types import BatchInputs, PoolSnapshot, SchedulerOutput, WorkerConfig
+from spec.ubatch import MicroBatch
 
 BATCH_ARRAY_FIELDS = (
     "index_mapping",
@@ -105,6 +106,23 @@ class BackendHandle:
         out["descriptor"] = batch.descriptor  # spec/graphs.py: None unless prepared with graphs
         return out
 
+    def microbatch_to_numpy(self, half: MicroBatch) -> dict[str, Any]:
+        """Every field of a MicroBatch (spec/ubatch.py) in NumPy/Python form, its records' fields by name."""
+        out: dict[str, Any] = {
+            name: self.to_numpy(getattr(half, name))
+            for name in ("index_mapping", "num_scheduled_tokens", "query_start_loc", "seq_lens", "positions",
+                         "input_ids")
+        }  # fmt: skip
+        out["block_tables"] = tuple(self.to_numpy(t) for t in half.block_tables)
+        out["slot_mappings"] = tuple(self.to_numpy(s) for s in half.slot_mappings)
+        for name in ("request_slice", "token_slice", "req_ids", "num_tokens", "num_tokens_padded"):
+            out[name] = getattr(half, name)
+        for i, record in enumerate(half.features):  # a split record (M-RoPE's positions): its arrays
+            for name in record.__dataclass_fields__:
+                value = getattr(record, name)
+                out[f"features[{i}].{name}"] = self.to_numpy(value) if hasattr(value, "shape") else value
+        return out
+
 
 def classes_to_numpy(classes: Any, convert: Callable[[Any], np.ndarray]) -> dict[str, Any]:
     """A batch's RowClasses as comparable fields (`row_classes.<name>`); all None for a batch without one."""
@@ -171,8 +189,10 @@ class _ModeBackend:
 
     def __init__(self, device: Any, enabled: bool) -> None:
         import fast
+        import fast.dummy
         import fast.encoder_attention
         import fast.interop
+        import fast.ubatch
 
         self.device = device
         self.enabled = enabled
@@ -188,6 +208,11 @@ class _ModeBackend:
         self.sparse_mla_attention = _in_mode(fast.sparse_mla_attention, enabled)
         # encoder-decoder (fast/encoder_attention.py): `cross_attention` names a submodule of both packages
         self.cross_attention = _in_mode(fast.encoder_attention.cross_attention, enabled)
+        # a data-parallel rank's dummy batch and the DBO split (optional parts of a backend: dummy_batch_of,
+        # split_batch_of), on the pool's device
+        self.dummy_batch = _in_mode(functools.partial(fast.dummy.dummy_batch, device=device), enabled)
+        self.split_batch = _in_mode(fast.ubatch.split_batch, enabled)
+        self.CapturedGraphs = fast.CapturedGraphs
         # the engine layouts (optional part of a backend, docs/porting.md), in the same kernel mode
         self.interop = types.SimpleNamespace(
             **{name: _in_mode(getattr(fast.interop, name), enabled) for name in INTEROP_FUNCTIONS}
@@ -232,6 +257,26 @@ def cross_attention_of(handle: BackendHandle) -> Callable[..., Any] | None:
 
         return cross_attention
     found = getattr(handle.module, "cross_attention", None)
+    return found if callable(found) else None
+
+
+def dummy_batch_of(handle: BackendHandle) -> Callable[..., BatchInputs] | None:
+    """The backend's dummy batch (spec/dummy.py: `(config, num_tokens, graphs)`), or None if it has none."""
+    if handle.module is spec:
+        from spec.dummy import dummy_batch
+
+        return dummy_batch
+    found = getattr(handle.module, "dummy_batch", None)
+    return found if callable(found) else None
+
+
+def split_batch_of(handle: BackendHandle) -> Callable[..., tuple[MicroBatch, MicroBatch]] | None:
+    """The backend's DBO split (spec/ubatch.py: `(batch, split_point, *, query_lens_np)`), or None."""
+    if handle.module is spec:
+        from spec.ubatch import split_batch
+
+        return split_batch
+    found = getattr(handle.module, "split_batch", None)
     return found if callable(found) else None
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import random
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +26,7 @@ import numpy as np
 import spec
 from conformance.backends import BackendHandle, cross_attention_of
 from conformance.mla_compare import compare_mla, latent_cache
+from conformance.padded_steps import compare_dummy, compare_splits, probe_misuse
 from conformance.scenario import AttentionSpec, Scenario
 from conformance.scheduler import ReferenceScheduler
 from conformance.sparse_compare import compare_sparse
@@ -32,6 +34,7 @@ from conformance.tolerance import assert_attention_close, spec_in_dtype
 from shadow.compare import batch_differences
 from spec.encoder_attention import cross_attention as spec_cross_attention
 from spec.errors import ScheduleError
+from spec.graphs import CapturedGraphs
 from spec.types import PLACEHOLDER_TOKEN_ID, BatchInputs, PoolSnapshot, SchedulerOutput, WorkerConfig
 
 COUNTS: collections.Counter[str] = collections.Counter()  # steps, requests, invalid; also per candidate
@@ -39,7 +42,8 @@ COUNTS: collections.Counter[str] = collections.Counter()  # steps, requests, inv
 
 @dataclass(frozen=True)
 class Step:
-    """A valid step of a reproduction: apply, prepare(pad_to), write_kv, attention, record_sampled(sampled)."""
+    """A valid step of a reproduction: apply, prepare(pad_to or graphs), write_kv, attention, the dummy batch and
+    the splits (conformance/padded_steps.py), record_sampled(sampled)."""
 
     out: SchedulerOutput
     pad_to: int | None
@@ -47,6 +51,9 @@ class Step:
     sampled: tuple[int, ...] | tuple[tuple[int, ...], ...]
     recorded: bool = True  # record_sampled was called (an engine runs no model on a step with no tokens)
     proposed: tuple[tuple[int, ...], ...] | None = None  # [num_reqs][P] the drafter's ids on the device, or None
+    graphs: CapturedGraphs | None = None  # prepared with graphs= (pad_to is then None)
+    dummy: tuple[int, CapturedGraphs | None] | None = None  # a DP peer's count this rank runs a dummy batch of
+    splits: tuple[int | None, ...] = ()  # split points the batch is split at (None: the default)
 
 
 @dataclass(frozen=True)
@@ -117,6 +124,7 @@ class Pair:
         self.kv_rng = np.random.default_rng(seed)  # keys, values and queries only, so replay() draws the same
         self.sparse_rng = np.random.default_rng([seed, 2])  # top-k selections and their queries (sparse_compare.py)
         self.pending: Step | None = None  # the step in progress, for a reproduction that ends with it
+        self.misuse: random.Random | None = None  # the invalid suite's: misuse probes (conformance/padded_steps.py)
 
     # ---- valid steps ------------------------------------------------------------------------
     def run_step(
@@ -126,22 +134,38 @@ class Pair:
         sampled: Callable[[BatchInputs], Sequence[Any]],
         record: bool = True,  # False: the batch is prepared and compared, and not recorded
         proposed: Callable[[BatchInputs], Sequence[Sequence[int]] | None] = lambda batch: None,  # next_draft_ids
+        *,
+        graphs: CapturedGraphs | None = None,  # prepare(graphs=...) in place of pad_to
+        dummy: tuple[int, CapturedGraphs | None] | None = None,  # this rank's dummy batch of a peer's count
+        split_at: Callable[[BatchInputs], tuple[int | None, ...]] = lambda batch: (),  # where to split the batch
     ) -> Step:
-        self.pending = Step(out, pad_to, ())
+        shape: dict[str, Any] = {"graphs": graphs, "dummy": dummy}
+        self.pending = Step(out, pad_to, (), **shape)
         self._call("apply", lambda side: side.pool.apply(out))
         self.compare_snapshots("after apply")
-        batches = self._call("prepare", lambda side: side.pool.prepare(out, pad_to))
+        if self.misuse is not None:
+            probe_misuse(self, out, graphs, None, self.misuse)
+        prepare_args = {} if graphs is None else {"graphs": graphs}  # a backend without graphs is asked for none
+        batches = self._call("prepare", lambda side: side.pool.prepare(out, pad_to, **prepare_args))
         ref_batch, cand_batch = batches
         self.compare_batches(ref_batch, cand_batch)
         if self.attention is not None:
             self.compare_kv_and_attention(ref_batch, cand_batch)
+        if dummy is not None:
+            compare_dummy(self, *dummy)
+        splits = split_at(ref_batch)
+        shape["splits"] = splits
+        self.pending = Step(out, pad_to, (), **shape)
+        compare_splits(self, out, ref_batch, cand_batch, splits)
+        if self.misuse is not None and splits:
+            probe_misuse(self, out, graphs, (ref_batch, cand_batch), self.misuse)
         if not record:
             self.pending = None
-            return Step(out, pad_to, (), recorded=False)
+            return Step(out, pad_to, (), recorded=False, **shape)
         tokens = _frozen(sampled(ref_batch))
         rows = proposed(ref_batch)
         drafter = None if rows is None else tuple(tuple(int(t) for t in row) for row in rows)
-        self.pending = Step(out, pad_to, tokens, proposed=drafter)
+        self.pending = Step(out, pad_to, tokens, proposed=drafter, **shape)
         ids = np.array(tokens, np.int64)
         next_ids = None if drafter is None else np.array(drafter, np.int64).reshape(len(drafter), -1)
         self._record(self.ref, ref_batch, ids, next_ids)
@@ -151,7 +175,7 @@ class Pair:
             raise MismatchError(f"record_sampled: candidate raised {exc!r}, reference did not") from exc
         self.compare_snapshots("after record_sampled")
         self.pending = None
-        return Step(out, pad_to, tokens, proposed=drafter)
+        return Step(out, pad_to, tokens, proposed=drafter, **shape)
 
     @staticmethod
     def _record(side: _Side, batch: BatchInputs, ids: np.ndarray, next_ids: np.ndarray | None) -> None:
@@ -328,13 +352,20 @@ class Pair:
 class DifferentialRun:
     """A scenario's scheduler driving a reference and a candidate, step by step."""
 
-    def __init__(self, scenario: Scenario, candidate: BackendHandle, reference: BackendHandle | None = None) -> None:
+    def __init__(
+        self,
+        scenario: Scenario,
+        candidate: BackendHandle,
+        reference: BackendHandle | None = None,
+        misuse: bool = False,  # probe misused graphs, pad_to and splits on the steps that have them (invalid suite)
+    ) -> None:
         self.scenario = scenario
         self.candidate = candidate
         self.sched = ReferenceScheduler(scenario.config, scenario.workload, scenario.knobs, seed=scenario.seed)
         self.pair = Pair(reference or BackendHandle("spec", spec), candidate, scenario.config, scenario.attention,
                          scenario.seed)  # fmt: skip
         self.sample_rng = np.random.default_rng(scenario.seed + 1)
+        self.pair.misuse = random.Random(f"misuse {scenario.seed}") if misuse else None
         self.history: list[Step | Invalid] = []
         self.steps = 0
         self.rejected: collections.Counter[str] = collections.Counter()
@@ -353,7 +384,8 @@ class DifferentialRun:
     def _step(self, breaker: Breaker | None) -> None:
         config, sched = self.scenario.config, self.sched
         out = sched.schedule()
-        pad_to = sched.pad_to(out)
+        shape = sched.step_shape(out)  # pad_to, graphs, a dummy batch, a split (conformance/scheduler/step_shapes.py)
+        pad_to = shape.pad_to
         if breaker is not None:
             broken = breaker(out, config, self.pair.ref.pool.snapshot())
             if broken is not None:
@@ -391,7 +423,13 @@ class DifferentialRun:
             width = sched.knobs.spec_tokens  # a row that did not sample gets ids the pool never reads
             return [list(proposals.get(r, (0,) * width)) for r in batch.req_ids]
 
-        step = self.pair.run_step(out, pad_to, sample, record, propose)
+        step = self.pair.run_step(
+            out, pad_to, sample, record, propose, graphs=shape.graphs, dummy=shape.dummy,
+            split_at=lambda batch: shape.split_points(batch.num_reqs, batch.num_tokens_padded),
+        )  # fmt: skip
+        COUNTS["graph steps"] += step.graphs is not None
+        COUNTS["dummy steps"] += step.dummy is not None
+        COUNTS["split steps"] += bool(step.splits)
         self.history.append(step)
         sched.update(out, kept)
         self.pair.compare_snapshots("after the step", expected=sched.expected_snapshot())
@@ -429,7 +467,8 @@ def replay(
                 pair.reject(s.out, s.expected)
             else:
                 pair.run_step(s.out, s.pad_to, lambda _batch, s=s: s.sampled, s.recorded,  # type: ignore[misc]
-                              lambda _batch, s=s: s.proposed)  # type: ignore[misc]  # fmt: skip
+                              lambda _batch, s=s: s.proposed, graphs=s.graphs, dummy=s.dummy,  # type: ignore[misc]
+                              split_at=lambda _batch, s=s: s.splits)  # type: ignore[misc]  # fmt: skip
         except MismatchError as exc:
             raise MismatchError(f"step {i}: {exc.message}") from exc
 

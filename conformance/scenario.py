@@ -15,6 +15,7 @@ from conformance.scheduler.encoder import ENCODER_DECODER_SHARE, with_encoder
 from conformance.scheduler.mamba import MAMBA_SHARE, with_mamba_group
 from conformance.scheduler.mla import MLA_SHARE, with_mla_groups
 from conformance.scheduler.mrope import with_position_tables
+from conformance.scheduler.step_shapes import with_step_shapes_draw
 from spec.types import KVCacheGroup, WorkerConfig
 
 BLOCK_SIZES = (1, 2, 3, 4, 5, 7, 8, 12, 16, 17, 24, 31, 32, 48, 63, 64)  # powers of two and not
@@ -88,6 +89,7 @@ def random_scenario(
     multimodal: bool = False,
     async_scheduling: bool = False,
     mla: bool = False,
+    padded: bool = False,
 ) -> Scenario:
     """The scenario of `seed`; with `spec_decode` its scheduler also drafts (speculative decoding), in the
     same ranges as conformance.strategies. Without, a seed gives the scenario it gave before drafts existed,
@@ -96,7 +98,9 @@ def random_scenario(
     some seeds' models have a mamba group too (conformance/scheduler/mamba.py); with `multimodal`, some seeds'
     models use M-RoPE and some requests carry position tables (conformance/scheduler/mrope.py); with
     `async_scheduling`, some seeds' steps are scheduled one ahead of their samples (spec/async_steps.py); with
-    `mla`, some seeds' models keep their decoder's KV in a latent mla group (conformance/scheduler/mla.py)."""
+    `mla`, some seeds' models keep their decoder's KV in a latent mla group (conformance/scheduler/mla.py); with
+    `padded`, some seeds' steps run captured graphs, a DP peer's padding or dummy batches, or DBO splits
+    (conformance/scheduler/step_shapes.py)."""
     rng = random.Random(seed)
     max_model_len = rng.randint(2, MAX_MODEL_LEN)
     max_num_reqs = rng.randint(1, 8)
@@ -182,6 +186,8 @@ def random_scenario(
             attention = None
     if spec_decode and not config.async_scheduling:  # its own source: the draws above stay the seed's
         knobs = replace(knobs, drafts_to_the_end=random.Random(f"to the end {seed}").random() < 0.5)
+    if padded:  # its own source, drawn last: the drafts (1 + K) and the config are the seed's
+        knobs = with_step_shapes_draw(knobs, config, random.Random(f"step shapes {seed}"))
     return Scenario(config, workload, knobs, attention, scenario_seed)
 
 

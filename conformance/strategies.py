@@ -34,6 +34,7 @@ from conformance.scheduler.encoder import with_encoder
 from conformance.scheduler.mamba import with_mamba_group
 from conformance.scheduler.mla import with_mla_groups
 from conformance.scheduler.mrope import with_position_tables
+from conformance.scheduler.step_shapes import with_step_shapes_draw
 from spec.errors import ALL_ERRORS, ScheduleError
 from spec.types import KVCacheGroup, WorkerConfig
 
@@ -158,6 +159,8 @@ def scenarios(
         knobs = with_resume_draw(knobs, random.Random(draw(st.integers(0, 2**32 - 1))))  # rule 7's neighbours
     if len(config.kv_groups) > 1 and draw(st.booleans()):  # vLLM's one block pool for all groups, or one per group
         config = with_one_block_pool(config)
+    # captured graphs, a DP peer, DBO splits (conformance/scheduler/step_shapes.py), each on a share of scenarios
+    knobs = with_step_shapes_draw(knobs, config, random.Random(draw(st.integers(0, 2**32 - 1))))
     attention: AttentionSpec | None = draw(attention_specs())
     if attention is not None and cache_elements(config, attention) > KV_CACHE_ELEMENT_LIMIT:
         attention = None

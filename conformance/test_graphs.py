@@ -18,8 +18,10 @@ from hypothesis import strategies as st
 
 import spec
 from conformance.backends import BackendHandle, fast_handle
-from conformance.differential import DifferentialRun, MismatchError, drive
-from conformance.scenario import Scenario
+from conformance.differential import COUNTS, DifferentialRun, MismatchError, drive
+from conformance.padded_steps import COUNTS as PADDED
+from conformance.scenario import Scenario, random_scenario
+from conformance.scheduler.step_shapes import StepShape
 from conformance.strategies import scenarios
 from spec.graphs import GRAPH_MODES, CapturedGraphs
 from spec.padding_profiles import PROFILES
@@ -108,3 +110,26 @@ def test_spec_and_fast_agree_on_padded_batches() -> None:
 
 def test_spec_and_fast_interpreted_agree_on_a_tiny_padded_run() -> None:
     _check(fast_handle(True), examples=2, max_steps=4, max_requests=2)
+
+
+def test_graph_dp_and_dbo_steps_agree_with_spec() -> None:
+    """Seeded runs whose scheduler shapes steps (conformance/scheduler/step_shapes.py): graph steps, DP peers'
+    padding and dummy batches, DBO splits at the default and a drawn point, each compared field by field."""
+    before = dict(COUNTS) | {f"checked {k}": v for k, v in PADDED.items()}
+    fast_side = fast_handle(False)
+    for seed in range(12):
+        scenario = random_scenario(seed, spec_decode=True, hybrid=True, multimodal=True, padded=True)
+        run = DifferentialRun(scenario, fast_side)
+        drive(run, 40)
+    after = dict(COUNTS) | {f"checked {k}": v for k, v in PADDED.items()}
+    ran = {k: after.get(k, 0) - before.get(k, 0) for k in ("graph steps", "dummy steps", "split steps",
+                                                            "checked dummy", "checked split")}  # fmt: skip
+    assert all(ran.values()), f"a kind of step never ran: {ran}"
+
+
+def test_a_step_shape_draws_split_points_inside_the_batch() -> None:
+    shape = StepShape(None, None, None, True, 0.999)
+    assert shape.split_points(3, 10) == (None, 9)  # 1 + int(0.999 * 9): the last token of the batch at most
+    assert StepShape(None, None, None, True, 0.0).split_points(3, 10) == (None, 1)
+    assert shape.split_points(0, 10) == () and shape.split_points(1, 1) == ()  # no request, or one token
+    assert StepShape(None, None, None, False, 0.5).split_points(3, 10) == ()

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from conformance.backends import BackendHandle
 from conformance.differential import Breaker, DifferentialRun, MismatchError, budget_for, drive
 from conformance.mutations import MALFORMATIONS, breaker, malformation_breaker
+from conformance.padded_steps import COUNTS as PROBED
 from conformance.probes import ProbedPool
 from conformance.scenario import Scenario, random_scenario
 from conformance.strategies import breakages, scenarios
@@ -38,7 +39,8 @@ def test_invalid_outputs_are_rejected_identically(backend: BackendHandle, confor
     )
     @given(scenarios(max_requests=budget.max_requests, max_model_len=budget.max_model_len), st.data())
     def check(scenario: Scenario, data: st.DataObject) -> None:
-        run = DifferentialRun(replace(scenario, attention=None), backend)  # rejections are about the pool
+        # rejections are about the pool; misuse: graphs, pad_to and splits misused on the steps that have them
+        run = DifferentialRun(replace(scenario, attention=None), backend, misuse=True)
 
         def maybe_break() -> Breaker | None:
             if data.draw(st.integers(0, 2), label="break this step") != 0:
@@ -119,3 +121,16 @@ def test_misuse_between_the_calls_changes_nothing(backend: BackendHandle, confor
 
     check()
     assert all(probed.values()), f"a probe never ran: {probed}"
+
+
+def test_misused_graphs_pad_to_and_splits_are_refused_identically(backend: BackendHandle) -> None:
+    """Capture sizes unsorted, non-positive or duplicated; pad_to with graphs; a split past the batch: both
+    backends refuse each with the same error, the pool and the batch unchanged, and the run goes on."""
+    before = dict(PROBED)
+    for seed in range(8):
+        scenario = replace(random_scenario(seed, spec_decode=True, padded=True), attention=None)
+        drive(DifferentialRun(scenario, backend, misuse=True), 12)
+    ran = {k: PROBED[k] - before.get(k, 0) for k in ("capture sizes unsorted", "capture sizes non-positive",
+                                                    "capture sizes duplicated", "pad_to with graphs",
+                                                    "split past the batch")}  # fmt: skip
+    assert all(ran.values()), f"a misuse was never probed: {ran}"

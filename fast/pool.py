@@ -216,6 +216,10 @@ class RequestStatePool:
             tuple(batch.req_ids) == prepared.req_ids
             and np.array_equal(host_array(batch.index_mapping)[: batch.num_reqs], self._prepared_rows_np)
             and np.array_equal(host_array(batch.seq_lens)[: batch.num_reqs], self._prepared_seq_lens_np)
+            # an earlier padded batch's rows view the reused padded-row buffers (fast/padding.py), so they read as
+            # the last batch's: its graph tells them apart
+            and batch.descriptor == prepared.descriptor
+            and batch.num_tokens_padded == prepared.num_tokens_padded
         )
 
     # ---- inspection ----------------------------------------------------------------------------------

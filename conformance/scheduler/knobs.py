@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from spec.graphs import CapturedGraphs
+
 
 @dataclass(frozen=True)
 class SchedulerKnobs:
@@ -49,3 +51,8 @@ class SchedulerKnobs:
     common_prefix_blocks: bool = False  # num_common_prefix_blocks: the true counts (0.32 sends it empty)
     model_runner_v2: bool = False  # v2's form: prefill_token_ids; a resumed request is sent again as a new one
     pipeline_parallel: bool = False  # new_token_ids: each cached request's scheduled tokens, as PP ranks get them
+    # how a step is prepared beyond its output (conformance/scheduler/step_shapes.py); none changes what is scheduled
+    graphs: CapturedGraphs | None = None  # the captured graphs (sizes, mode, 1 + K, profile) a graph step runs
+    graph_steps: float = 0.0  # chance a step is prepared with `graphs` (in place of pad_buckets' pad_to)
+    dp_peer_steps: float = 0.0  # chance a step has a DP peer with more tokens: padded to it, or a dummy batch if empty
+    ubatch_steps: float = 0.0  # chance a step's batch is split in two micro-batches (DBO)

