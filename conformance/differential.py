@@ -25,6 +25,7 @@ import numpy as np
 
 import spec
 from conformance.backends import BackendHandle, cross_attention_of
+from conformance.mismatch import COUNTS, MismatchError, fp8_arguments
 from conformance.mla_compare import compare_mla, latent_cache
 from conformance.padded_steps import compare_dummy, compare_splits, probe_misuse
 from conformance.scenario import AttentionSpec, Scenario
@@ -36,8 +37,6 @@ from spec.encoder_attention import cross_attention as spec_cross_attention
 from spec.errors import ScheduleError
 from spec.graphs import CapturedGraphs
 from spec.types import PLACEHOLDER_TOKEN_ID, BatchInputs, PoolSnapshot, SchedulerOutput, WorkerConfig
-
-COUNTS: collections.Counter[str] = collections.Counter()  # steps, requests, invalid; also per candidate
 
 
 @dataclass(frozen=True)
@@ -64,13 +63,6 @@ class Invalid:
     expected: type[ScheduleError] | None = None
 
 
-class MismatchError(AssertionError):
-    def __init__(self, message: str, repro: str = "") -> None:
-        super().__init__(message + (f"\n\nreproduction:\n{repro}" if repro else ""))
-        self.message = message
-        self.repro = repro
-
-
 # A breaker turns a valid output into an invalid one for the pool state given: (output, expected class) or None.
 Breaker = Callable[[SchedulerOutput, WorkerConfig, PoolSnapshot], "tuple[SchedulerOutput, type[ScheduleError]] | None"]
 
@@ -93,18 +85,6 @@ class _Side:
                 # an fp8 scenario's self-attention groups hold uint8 codes; cross-attention reads the model's dtype
                 dtype = attention.cache_dtype if g.kind == "attention" else attention.dtype
                 self.caches.append((handle.asarray(np.zeros(shape, dtype)), handle.asarray(np.zeros(shape, dtype))))
-
-
-def _fp8_arguments(att: AttentionSpec, asarray: Callable[[np.ndarray], Any]) -> dict[str, Any]:
-    """write_kv's and paged_attention's fp8 keywords for a scenario ({} for an "auto" cache): a per-tensor
-    scale as a number, per-KV-head scales as a float32 array of the backend."""
-    if att.kv_cache_dtype == "auto":
-        return {}
-
-    def scale(values: tuple[float, ...]) -> Any:
-        return values[0] if len(values) == 1 else asarray(np.array(values, np.float32))
-
-    return {"kv_cache_dtype": att.kv_cache_dtype, "k_scale": scale(att.k_scale), "v_scale": scale(att.v_scale)}
 
 
 class Pair:
@@ -225,7 +205,7 @@ class Pair:
                 compare_sparse(self, g, ref_batch, cand_batch)
                 continue
             to = self.cand.handle.asarray
-            fp8, cand_fp8 = _fp8_arguments(att, np.asarray), _fp8_arguments(att, to)
+            fp8, cand_fp8 = fp8_arguments(att, np.asarray), fp8_arguments(att, to)
             slots = (ref_batch.slot_mappings[g], cand_batch.slot_mappings[g])
             query = self.write_random_kv(g, padded, padded, *slots, f"write_kv[{g}]", fp8, cand_fp8)
             (rk, rv), (ck, cv) = self.ref.caches[g], self.cand.caches[g]
@@ -268,7 +248,7 @@ class Pair:
         ref_slots: np.ndarray,  # [num_kv] the reference batch's slots
         cand_slots: Any,  # [num_kv] the candidate's
         what: str,  # names the write in a mismatch
-        fp8: dict[str, Any],  # the reference's cache format and scales (_fp8_arguments)
+        fp8: dict[str, Any],  # the reference's cache format and scales (fp8_arguments)
         cand_fp8: dict[str, Any],  # the candidate's
     ) -> np.ndarray:  # [num_queries, num_heads, head_dim] a random query for the attention that reads them
         """Random keys and values written into group g's caches by both backends' write_kv; the caches must agree."""

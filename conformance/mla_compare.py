@@ -17,18 +17,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 import spec
 from conformance.backends import BackendHandle, mla_kernels_of
+from conformance.mismatch import MismatchError
+from conformance.mismatch import PairView as Pair
 from conformance.scenario import AttentionSpec
 from conformance.tolerance import assert_attention_close, spec_in_dtype
 from spec.types import BatchInputs, KVCacheGroup
-
-if TYPE_CHECKING:
-    from conformance.differential import Pair
 
 
 def latent_cache(handle: BackendHandle, group: KVCacheGroup, attention: AttentionSpec) -> Any:
@@ -36,7 +35,7 @@ def latent_cache(handle: BackendHandle, group: KVCacheGroup, attention: Attentio
     return handle.asarray(np.zeros(spec.mla_cache_shape(group), attention.cache_dtype))
 
 
-def mla_fp8_arguments(attention: AttentionSpec) -> dict[str, Any]:
+def mlafp8_arguments(attention: AttentionSpec) -> dict[str, Any]:
     """write_mla_kv's and both forms' fp8 keywords ({} for an "auto" cache): one scale, per tensor."""
     if attention.kv_cache_dtype == "auto":
         return {}
@@ -45,7 +44,6 @@ def mla_fp8_arguments(attention: AttentionSpec) -> dict[str, Any]:
 
 def compare_mla(pair: Pair, g: int, ref_batch: BatchInputs, cand_batch: BatchInputs) -> None:
     """Group g is an mla group: write random latents through both backends, then read them with both forms."""
-    from conformance.differential import MismatchError  # here: differential imports this module
 
     att, group = pair.attention, pair.config.kv_groups[g]
     assert att is not None
@@ -55,7 +53,7 @@ def compare_mla(pair: Pair, g: int, ref_batch: BatchInputs, cand_batch: BatchInp
     rng, dtype, to = pair.kv_rng, np.dtype(att.dtype), pair.cand.handle.asarray
     num_tokens, padded = ref_batch.num_tokens, ref_batch.num_tokens_padded
     rank, rope, heads, width = group.kv_lora_rank, group.qk_rope_head_dim, att.num_heads, att.head_dim
-    fp8 = mla_fp8_arguments(att)
+    fp8 = mlafp8_arguments(att)
     kv_c = rng.standard_normal((padded, rank)).astype(dtype)  # [T, L]
     k_pe = rng.standard_normal((padded, rope)).astype(dtype)  # [T, R]
     ref_cache, cand_cache = pair.ref.latents[g], pair.cand.latents[g]

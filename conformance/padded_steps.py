@@ -19,11 +19,13 @@ from __future__ import annotations
 import collections
 import random
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from conformance.backends import BackendHandle, dummy_batch_of, split_batch_of
+from conformance.mismatch import MismatchError, fp8_arguments
+from conformance.mismatch import PairView as Pair
 from shadow.compare import batch_differences, copy_batch
 from spec.dummy import dummy_batch
 from spec.errors import ScheduleError
@@ -31,16 +33,12 @@ from spec.graphs import CapturedGraphs
 from spec.types import BatchInputs, SchedulerOutput
 from spec.ubatch import UbatchSplitError, host_query_lens, split_batch
 
-if TYPE_CHECKING:
-    from conformance.differential import Pair
-
 COUNTS: collections.Counter[str] = collections.Counter()  # what the checks ran: for tests that each one ran
 
 BAD_CAPTURE_SIZES = {"unsorted": (8, 4), "non-positive": (0, 4), "duplicated": (4, 4, 8)}
 
 
 def compare_dummy(pair: Pair, num_tokens: int, graphs: CapturedGraphs | None) -> None:
-    from conformance.differential import MismatchError, _fp8_arguments
 
     ref = dummy_batch(pair.config, num_tokens, graphs)
     make = dummy_batch_of(pair.cand.handle)
@@ -58,7 +56,7 @@ def compare_dummy(pair: Pair, num_tokens: int, graphs: CapturedGraphs | None) ->
         before = [np.array(c) for c in pair.ref.caches[g]]
         slots = ref.slot_mappings[g], pair.cand.handle.asarray(np.asarray(ref.slot_mappings[g]))
         n = ref.num_tokens_padded
-        fp8 = _fp8_arguments(pair.attention, np.asarray), _fp8_arguments(pair.attention, pair.cand.handle.asarray)
+        fp8 = fp8_arguments(pair.attention, np.asarray), fp8_arguments(pair.attention, pair.cand.handle.asarray)
         pair.write_random_kv(g, n, n, *slots, f"write_kv[{g}] (dummy batch)", *fp8)
         if any(not np.array_equal(b, c) for b, c in zip(before, pair.ref.caches[g], strict=True)):
             raise MismatchError(f"write_kv[{g}] of a dummy batch changed the KV cache: its slots are not all PAD")
@@ -71,15 +69,12 @@ def _split(handle: BackendHandle, split: Callable[..., Any], batch: BatchInputs,
     except UbatchSplitError as exc:
         return exc
     except Exception as exc:
-        from conformance.differential import MismatchError
-
         raise MismatchError(f"split_batch at {point}: {handle.name} raised {exc!r}, not a UbatchSplitError") from exc
 
 
 def compare_splits(
     pair: Pair, out: SchedulerOutput, ref_batch: BatchInputs, cand_batch: BatchInputs, points: Sequence[int | None]
 ) -> None:
-    from conformance.differential import MismatchError
 
     split = split_batch_of(pair.cand.handle)
     if split is None:
@@ -111,7 +106,6 @@ def probe_misuse(
     rng: random.Random,
 ) -> None:
     """Before prepare (batches None): bad capture sizes and pad_to with graphs; after: a split past the batch."""
-    from conformance.differential import MismatchError
 
     sides = (pair.ref, pair.cand)
     if batches is None:

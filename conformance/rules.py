@@ -37,6 +37,8 @@ PIPELINE, BOUNDARIES = "conformance/test_pipeline.py", "conformance/test_boundar
 ERRORS = "conformance/test_errors.py"
 ASYNC = "conformance/test_async.py"
 ASYNC_DRAFTS = "conformance/test_async_drafts.py"
+GRAPHS_BY_HAND = "tests/test_graphs.py::test_pad_to_and_graphs_together_are_refused_and_change_nothing"
+GRAPHS_MISUSE = "conformance/test_invalid.py::test_misused_graphs_pad_to_and_splits_are_refused_identically"
 AT_MAX_MODEL_LEN = f"{BOUNDARIES}::test_a_step_up_to_max_model_len_is_valid_and_its_sample_has_no_room"
 
 
@@ -1035,6 +1037,24 @@ RULES: tuple[Rule, ...] = (
         EVERY_STEP,
         GENERATED,
         (MISUSE, IP),
+    ),
+    Rule(
+        P,
+        "check_graphs_choice",
+        "are exclusive",
+        "pad_to and graphs are not both given (two answers to how far to pad)",
+        EVERY_STEP,
+        GRAPHS_BY_HAND,
+        (GRAPHS_BY_HAND, GRAPHS_MISUSE),
+    ),
+    Rule(
+        P,
+        "check_graphs_choice",
+        "needs a CapturedGraphs",
+        "graphs is a CapturedGraphs",
+        EVERY_STEP,
+        GRAPHS_BY_HAND,
+        (GRAPHS_BY_HAND,),
     ),
     Rule(
         P,

@@ -18,21 +18,20 @@ raises instead of returning, so nothing it computed reaches the caller.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 import spec
 from conformance.backends import sparse_kernels_of
-from conformance.mla_compare import mla_fp8_arguments
+from conformance.mismatch import COUNTS, MismatchError
+from conformance.mismatch import PairView as Pair
+from conformance.mla_compare import mlafp8_arguments
 from conformance.sparse_topk import BrokenTopk, break_topk, random_topk
 from conformance.tolerance import assert_attention_close, spec_in_dtype
 from spec.protocol import SparseBackend
 from spec.sparse_topk import POSITION_KINDS, SparseIndexError
 from spec.types import BatchInputs
-
-if TYPE_CHECKING:
-    from conformance.differential import Pair
 
 SPARSE_STEP_CHANCE = 0.5  # of a step's groups being read sparsely (the spec reader loops per token in Python)
 MAX_TOP_K = 6
@@ -40,7 +39,6 @@ MAX_TOP_K = 6
 
 def compare_sparse(pair: Pair, g: int, ref_batch: BatchInputs, cand_batch: BatchInputs) -> None:
     """Group g's caches were written this step: draw a selection, compare the slots, the reader and a refusal."""
-    from conformance.differential import COUNTS, MismatchError  # here: differential imports this module
 
     kernels = sparse_kernels_of(pair.cand.handle)
     group = pair.config.kv_groups[g]
@@ -74,13 +72,12 @@ def _compare_reader(
     cand_slots: Any,  # [T, top_k] the candidate's own, equal to ref_slots
     num_tokens: int,
 ) -> None:
-    from conformance.differential import MismatchError
 
     att, group, rng = pair.attention, pair.config.kv_groups[g], pair.sparse_rng
     assert att is not None
     to, dtype, padded = pair.cand.handle.asarray, att.dtype, ref_slots.shape[0]
     if group.kind == "mla":
-        fp8 = mla_fp8_arguments(att)
+        fp8 = mlafp8_arguments(att)
         rank, rope = group.kv_lora_rank, group.qk_rope_head_dim
         q_latent = rng.standard_normal((padded, att.num_heads, rank)).astype(dtype)  # [T, H, L] already absorbed
         q_pe = rng.standard_normal((padded, att.num_heads, rope)).astype(dtype)  # [T, H, R]
@@ -131,7 +128,6 @@ def _compare_reader(
 def _compare_refusal(
     pair: Pair, g: int, kernels: SparseBackend, ref_batch: BatchInputs, cand_batch: BatchInputs, broken: BrokenTopk
 ) -> None:
-    from conformance.differential import MismatchError
 
     qsl = np.asarray(ref_batch.query_start_loc)
     row = int(np.searchsorted(qsl[1:], broken.token, side="right"))

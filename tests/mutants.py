@@ -741,8 +741,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "graphs-uniform-decode-by-shape-spec",
         "classify: a decode by progress, not by shape (a 1 + K-token prompt chunk is a prefill)",
         "spec/classify.py",
-        "is_decode = ~is_prefilling & (q <= decode_query_len)",
-        "is_decode = q <= decode_query_len",
+        "return short if treat_short_extends_as_decodes else short & ~is_prefilling",
+        "return short",
         (GRAPHS_UNIT,),
     ),
     Mutant(

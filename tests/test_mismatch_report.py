@@ -10,6 +10,7 @@ import spec
 from conformance.backends import BackendHandle
 from conformance.examples import worked_example
 from shadow.compare import array_difference, entries_difference
+from spec.classify import RowClasses
 from spec.types import FEATURE_FIELDS
 
 
@@ -49,5 +50,6 @@ def test_the_compared_form_holds_every_batch_field() -> None:
     pool = spec.RequestStatePool(ex.config)
     pool.apply(ex.step1)
     compared = BackendHandle("spec", spec).batch_to_numpy(pool.prepare(ex.step1))
-    core = {f.name for f in dataclasses.fields(spec.BatchInputs)} - {"features"}  # the records' fields, by name:
+    core = {f.name for f in dataclasses.fields(spec.BatchInputs)} - {"features", "row_classes"}  # records, by name:
+    core |= {f"row_classes.{f.name}" for f in dataclasses.fields(RowClasses)}  # the classification, field by field
     assert set(compared) == core | FEATURE_FIELDS
