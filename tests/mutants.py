@@ -729,6 +729,14 @@ MUTANTS: tuple[Mutant, ...] = (
         (MLA_UNIT, MLA_SUITE),
     ),
     Mutant(
+        "mla-rope-applied-twice-at-the-write",
+        "MLA write: k_pe arrives rotated (concat_and_cache_mla stores it as given): never rotated again",
+        "slotmap/tiny/mla.py",
+        "kv.write(layer_idx, kv_c, k_pe, batch.slot_mappings[self.group])",
+        "kv.write(layer_idx, kv_c, _apply_rope(k_pe[:, None], cos, sin)[:, 0], batch.slot_mappings[self.group])",
+        (TINY_MLA,),
+    ),
+    Mutant(
         "mla-split-decode-threshold-exclusive",
         "MLA split: a decode is a row of at most reorder_batch_threshold tokens (1 + K: a verify row included)",
         "spec/classify.py",
