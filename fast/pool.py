@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from fast.batch import batch_order
-from fast.classify import classify
+from fast.classify import Classifier
 from fast.drafts import SamplerFields, store_drafts
 from fast.fallback import Fallback
 from fast.feature import Placement
@@ -93,6 +93,7 @@ class RequestStatePool:
         # memory in host mode (fast/host_prepare.py), one launch into device buffers under Triton (kernel_prepare.py)
         self._batch_buffers = HostBatch() if self.host_mode else DeviceBatch(self.dev, self._interpret)
         self._sampler = SamplerFields()  # a drafting step's sampler fields (fast/drafts.py)
+        self._classify = Classifier()  # each step's row classes (fast/classify.py), in a reused buffer
         # the padded request rows of a batch prepared with graphs (fast/padding.py), reused from step to step
         self._padded_rows = PaddedRows(self.device, config.max_num_reqs + 1, self.host_mode)
         self._applied: SchedulerOutput | None = None
@@ -163,7 +164,7 @@ class RequestStatePool:
         computed = plan.num_computed if order is None else plan.num_computed[order]
         seq_lens = computed + num_scheduled
         decode_query_len = step_decode_query_len(plan.num_drafts) if graphs is None else graphs.uniform_decode_query_len
-        classes = classify(num_scheduled, computed, self.state.prompt_lens[index_mapping], decode_query_len)
+        classes = self._classify(num_scheduled, computed, self.state.prompt_lens[index_mapping], decode_query_len)
         descriptor = None if graphs is None else dispatch(graphs, num_tokens, len(req_ids), classes)
         padded = padded_tokens(pad_to, num_tokens) if descriptor is None else descriptor.num_tokens
         # fields beyond the plain batch's: a drafting step's sampler indices, async scheduling's pending tokens
