@@ -15,8 +15,7 @@ import torch
 
 from fast.flatten import flatten
 from fast.slots import tables_and_slots
-from fast.state import DeviceState
-from spec.state import PoolState
+from fast.state import DeviceState, HostMirror
 from spec.types import BatchInputs
 
 
@@ -29,11 +28,15 @@ class HostBatch:
         self._views: dict[str, Any] = {}  # the batch's tensors over those buffers, for the shape in _views_key
         self._views_key: tuple[int, ...] = ()
         self._buffers_grown = 0  # times either buffer was reallocated: part of _views_key
+        # [G * num_reqs, 3] what each gathered table row holds (fast.slots.tables_and_slots): valid for the out32
+        # layout of _held_key, unknown (-1) when that changes
+        self._held = np.zeros((0, 3), np.int64)
+        self._held_key: tuple[int, int] = (-1, -1)
 
     def prepare(
         self,
         dev: DeviceState,  # shares memory with `state`
-        state: PoolState,
+        state: HostMirror,  # the pool's: its table versions tell which gathered rows are current
         req_ids: tuple[str, ...],  # [num_reqs] batch order
         rows: np.ndarray,  # [num_reqs] int64 batch_idx -> req_state_idx
         num_scheduled: np.ndarray,  # [num_reqs] int64 batch order
@@ -55,8 +58,12 @@ class HostBatch:
         tables = out32[5 * n + 1 :]
         slots = out64[2 * t : (2 + len(groups)) * t]  # [G * T]
         flat_tables = dev.tables_np if dev.tables_np is not None else dev.tables.numpy()  # host mode: the former
-        tables_and_slots(flat_tables, state.config.max_num_reqs, dev.offsets_np, dev.widths_np,
-                         dev.block_sizes_np, rows, token_rows, positions, tables, slots)  # fmt: skip
+        if self._held_key != (n, self._buffers_grown):  # the tables start elsewhere in out32, or in a new one
+            self._held = np.full((len(groups) * n, 3), -1, np.int64)
+            self._held_key = (n, self._buffers_grown)
+        tables_and_slots(flat_tables, state.config.max_num_reqs, dev.offsets_np, dev.widths_np, dev.block_sizes_np,
+                         state.num_blocks, state.table_versions, rows, token_rows, positions, tables, self._held,
+                         slots)  # fmt: skip
         # The tensors view the reused buffers, so a step of the same shape as the last (every decode step of a
         # steady batch) hands out the same tensor objects, now holding this step's values: no re-wrapping.
         key = (n, t, num_tokens, self._buffers_grown)

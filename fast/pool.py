@@ -51,14 +51,14 @@ from fast.released import ReleasedTails
 from fast.runtime import interpret, interpret_enabled, use_triton
 from fast.state import DeviceState, HostMirror, write_prompts
 from fast.step_modes import host_array, step_mode
-from fast.validate import MAX_OWNER_MAP, plan_bulk_step
+from fast.validate import PlannerMemory, plan_bulk_step
 from fast.writes import apply_writes, step_writes
 from spec.classify import step_decode_query_len
 from spec.errors import InconsistentSchedulerOutputError, UnknownRequestError
 from spec.feature import Feature, find
 from spec.padding import pad_request_rows
 from spec.pool import check_graphs_choice, check_last_applied, padded_tokens
-from spec.state import PoolState, StepPlan
+from spec.state import StepPlan
 from spec.types import BatchInputs, PoolSnapshot, RowSnapshot, SchedulerOutput, WorkerConfig
 from spec.validate import plan_step
 
@@ -77,18 +77,14 @@ class RequestStatePool:
             raise ValueError(f"fast runs on CUDA (Triton) or CPU tensors, not {self.device}")
         self.host_mode = not triton  # CPU tensors sharing the host mirror's memory, compiled loops for prepare
         mirror = HostMirror(config)
-        self.state: PoolState = mirror  # validation and batch order read only this
+        self.state: HostMirror = mirror  # validation and batch order read only this
         self.dev = DeviceState(config, self.device, mirror=mirror if self.host_mode else None)
         # the model kind's features (fast/feature.py): none for a plain decoder
         self.features = fast_features_for(config, Placement(self.dev, self.host_mode, self._interpret))
         self.released = ReleasedTails(config)  # the validator's per-row cache of released entries
         # every apply the bulk planner handed to spec's plan_step, accepted or refused, by reason (fast/fallback.py)
         self.fallbacks: Counter[Fallback] = Counter()
-        # [num_blocks] int8 scratch of the one-block-pool check (fast/validate.py), zero between steps; a pool past
-        # MAX_OWNER_MAP ids sorts instead (a map is 1 byte an id, most of it never touched)
-        pooled = config.one_block_pool and len(config.kv_groups) > 1
-        num_ids = config.kv_groups[0].num_blocks
-        self._block_owner = np.zeros(num_ids, np.int8) if pooled and num_ids <= MAX_OWNER_MAP else None
+        self._planner = PlannerMemory(config)  # the bulk planner's scratch maps and last rows (fast/validate.py)
         # the buffers batches are handed out in, reused from step to step: compiled loops over the mirror's
         # memory in host mode (fast/host_prepare.py), one launch into device buffers under Triton (kernel_prepare.py)
         self._batch_buffers = HostBatch() if self.host_mode else DeviceBatch(self.dev, self._interpret)
@@ -117,7 +113,7 @@ class RequestStatePool:
     def _plan_step(self, sched: SchedulerOutput) -> StepPlan:
         """The bulk planner's plan; where it falls back, spec's plan_step's (its error, or it accepts), counted."""
         planned = self.mode.bulk_fallback(self.state, sched) or plan_bulk_step(
-            self.state, sched, self.features, self.released.tails, self._block_owner
+            self.state, sched, self.features, self.released.tails, self._planner
         )
         if isinstance(planned, StepPlan):
             refused = self.mode.vouch(self.state, planned)  # async scheduling's own checks (fast/step_modes.py)
@@ -136,6 +132,8 @@ class RequestStatePool:
         dev.reserve_tokens(longest)
         writes = None if self.host_mode else step_writes(state, plan)  # needs the mirror as it was
         state.commit(plan)
+        if plan.freed_rows.size or plan.new_rows.size:  # rows changed hands: the remembered ones may be stale
+            self._planner.rows.forget()
         for feature in self.features:  # their per-row state (spec's records; fast's M-RoPE tables on the device)
             feature.commit(state, plan)
         self.released.refresh(state, plan)

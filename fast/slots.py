@@ -48,19 +48,35 @@ def tables_and_slots(  # pragma: no cover - compiled; tested through its results
     offsets: np.ndarray,  # [G] int64 each group's table offset, in rows' widths
     widths: np.ndarray,  # [G] int64 each group's width (max_blocks_per_req)
     block_sizes: np.ndarray,  # [G] int64
+    num_blocks: np.ndarray,  # [G, R] int64 filled entries per row (every entry past them is NULL_BLOCK_ID)
+    versions: np.ndarray,  # [G, R] int64 each row's table version (fast.state.HostMirror.table_versions)
     index_mapping: np.ndarray,  # [num_reqs] int64 batch_idx -> req_state_idx
     token_rows: np.ndarray,  # [num_tokens] int64 flat token index -> req_state_idx
     positions: np.ndarray,  # [T] int64
     tables_out: np.ndarray,  # [num_reqs * total_width] int32 out: each group's [num_reqs, width] table, in layout order
+    held: np.ndarray,  # [G * num_reqs, 3] int64 in/out: per out row the req_state_idx, version and filled count it
+    #                    holds from the last call into the same buffer; req_state_idx -1: unknown contents
     slots_out: np.ndarray,  # [G * T] int64 out: each group's slot mapping
 ) -> None:
     """Every group's gathered block table and slot mapping in one call (a call per group and stage cost more in
-    dispatch than a decode step's copies)."""
+    dispatch than a decode step's copies).
+
+    The out rows are reused from call to call, so an out row that already holds its row's table at the current
+    version is left as it is: a steady decode batch copies only the tables that changed since the last step (the
+    rows that appended a block), where a whole-width copy per step was most of its prepare. A row that is copied
+    takes its filled entries, and only the part past them that the out row held non-null before is cleared.
+    """
     n, t = index_mapping.shape[0], positions.shape[0]
     for g in range(offsets.shape[0]):
         off, width = offsets[g], widths[g]
         table = flat_tables[num_rows * off : num_rows * (off + width)].reshape(num_rows, width)
         out = tables_out[n * off : n * (off + width)].reshape(n, width)
         for b in range(n):
-            out[b, :] = table[index_mapping[b], :]
+            row, k = index_mapping[b], g * n + b
+            if held[k, 0] == row and held[k, 1] == versions[g, row]:
+                continue
+            count = num_blocks[g, row]
+            out[b, :count] = table[row, :count]
+            out[b, count : width if held[k, 0] < 0 else max(count, held[k, 2])] = 0
+            held[k, 0], held[k, 1], held[k, 2] = row, versions[g, row], count
         slot_mapping(table, token_rows, positions, block_sizes[g], slots_out[g * t : (g + 1) * t])

@@ -27,7 +27,7 @@ import torch
 from numba import njit
 
 from fast.runtime import upload
-from spec.state import PoolState, TableWrites
+from spec.state import PoolState, StepPlan, TableWrites
 from spec.types import NULL_BLOCK_ID, WorkerConfig
 
 _MIN_TOKEN_CAPACITY = 256
@@ -133,10 +133,19 @@ class HostMirror(PoolState):
             self.flat_tables[rows * int(off) : rows * int(off + width)].reshape(rows, int(width))
             for off, width in zip(offsets, widths, strict=True)
         ]
+        # [G, R] bumped whenever a row's table changes: a gathered copy of the row with the same version is current
+        # (fast.slots.tables_and_slots copies only the rows whose version moved)
+        self.table_versions = np.zeros((len(config.kv_groups), rows), np.int64)
+
+    def commit(self, plan: StepPlan) -> None:
+        super().commit(plan)
+        if plan.freed_rows.size:  # cleared by the commit: a later owner of the row starts from a new version
+            self.table_versions[:, plan.freed_rows] += 1
 
     def write_table(self, g: int, writes: TableWrites) -> None:
         w = writes
-        write_tables(self.block_tables[g], self.num_blocks[g], w.rows, w.starts, w.lengths, w.ids, w.replaced)
+        write_tables(self.block_tables[g], self.num_blocks[g], w.rows, w.starts, w.lengths, w.ids, w.replaced,
+                     self.table_versions[g])  # fmt: skip
 
 
 @njit(cache=True, nogil=True)
@@ -148,6 +157,7 @@ def write_tables(  # pragma: no cover - compiled; tested through the pool agains
     lengths: np.ndarray,  # [k] int64 ids written
     ids: np.ndarray,  # [sum(lengths)] int64, row after row
     replaced: np.ndarray,  # [k] bool: the row's table is replaced (entries past the new ones cleared)
+    versions: np.ndarray,  # [R] int64 each row's table version, bumped for every row written
 ) -> None:
     """One group's table changes of a validated step: appends after each row's filled entries, or whole tables."""
     at = 0
@@ -159,6 +169,7 @@ def write_tables(  # pragma: no cover - compiled; tested through the pool agains
             table[row, starts[i] + j] = ids[at + j]
         at += lengths[i]
         num_blocks[row] = starts[i] + lengths[i]
+        versions[row] += 1
 
 
 @njit(cache=True, nogil=True)

@@ -39,18 +39,42 @@ from fast.bulk_checks import (
     check_new_requests,
     check_progress,
     counts_in_budget,
-    has_repeats,
     held_in_two_groups,
     merge,
+    written_twice,
 )
-from fast.bulk_read import EMPTY, SEQUENCES, appended_ids, read_cached, read_drafts, rows_of_new, scheduler_index
+from fast.bulk_read import (
+    EMPTY,
+    SEQUENCES,
+    RowMemo,
+    appended_ids,
+    read_cached,
+    read_drafts,
+    rows_of_new,
+    scheduler_index,
+)
 from fast.fallback import Fallback
 from spec.feature import Feature
 from spec.model_kinds import known_features
 from spec.state import PoolState, StepPlan
-from spec.types import NewRequest, SchedulerOutput
+from spec.types import NewRequest, SchedulerOutput, WorkerConfig
 
 MAX_OWNER_MAP = 1 << 26  # the largest pool whose one-block-pool check keeps an id -> group map (64 MiB of int8)
+
+
+class PlannerMemory:
+    """What the bulk planner keeps for one pool between steps: scratch maps over block ids, zero between calls
+    (a map is 1 byte an id, most of it never touched; a pool past MAX_OWNER_MAP ids sorts instead), and the last
+    step's continuing rows (fast/bulk_read.py RowMemo)."""
+
+    def __init__(self, config: WorkerConfig) -> None:
+        pooled = config.one_block_pool and len(config.kv_groups) > 1
+        num_ids = max(group.num_blocks for group in config.kv_groups)
+        fits = num_ids <= MAX_OWNER_MAP
+        # [num_blocks] int8 id -> 1 + the group holding it: the one-block-pool check's (held_in_two_groups)
+        self.block_owner = np.zeros(config.kv_groups[0].num_blocks, np.int8) if pooled and fits else None
+        self.written = np.zeros(num_ids, np.int8) if fits else None  # [max num_blocks] ids a step writes (check 13)
+        self.rows = RowMemo()
 
 
 def plan_bulk_step(
@@ -58,9 +82,10 @@ def plan_bulk_step(
     sched: SchedulerOutput,
     features: Sequence[Feature] = (),  # the pool's model-kind features (spec.model_kinds.features_for)
     released_tails: list[np.ndarray | None] | None = None,  # per group [R]: fast/released.py's tails, or None: scan
-    block_owner: np.ndarray | None = None,  # [num_blocks] int8 zeros, with one block pool: held_in_two_groups'
+    memory: PlannerMemory | None = None,  # the pool's, its rows forgotten by its commit when a row changes hands
 ) -> StepPlan | Fallback:
     config = state.config
+    memory = memory or PlannerMemory(config)
     if features and not all(feature.plans_in_bulk for feature in features):
         return Fallback.FEATURE
     scheduled, new, finished = sched.num_scheduled_tokens, sched.new_requests, sched.finished_req_ids
@@ -98,9 +123,8 @@ def plan_bulk_step(
         index = scheduler_index(keys)
         cached_at = np.fromiter(map(index.__getitem__, cached_ids), np.int64, n)  # type: ignore[assignment]
         new_at = np.fromiter(map(index.__getitem__, new_ids), np.int64, num_new)  # type: ignore[assignment]
-    row_of = state.row_of
-    try:
-        rows = np.fromiter(map(row_of.__getitem__, cached_ids), np.int64, n)  # unknown request: KeyError
+    try:  # unknown request: KeyError
+        rows = memory.rows.rows_of(state, cached_ids)  # [n] req_state_idx
         num_computed = np.array(computed_in, np.int64) if n else EMPTY  # [n]
     except (KeyError, TypeError, ValueError, OverflowError):
         return Fallback.UNKNOWN_REQUEST
@@ -138,10 +162,8 @@ def plan_bulk_step(
         if checked is None:
             return Fallback.TABLES
         appended, written = checked
-        if num_new:
-            written = np.concatenate([new_written[g], written]) if written.size else new_written[g]
-        if has_repeats(written, -1):  # a block written by two requests: plan_step checks per slot
-            return Fallback.SHARED_BLOCK
+        if written_twice(new_written[g] if num_new else EMPTY, written, memory.written):
+            return Fallback.SHARED_BLOCK  # a block written by two requests: plan_step checks per slot
         tables.append(merge(new_rows, new_writes[g], appended) if num_new else appended)
     if not num_new and type(cached_at) is slice:  # the cached requests come in the scheduler's order
         sched_rows, sched_computed = rows, num_computed
@@ -163,7 +185,7 @@ def plan_bulk_step(
         num_drafts=num_drafts,
         draft_ids=draft_ids,
     )
-    if config.one_block_pool and len(config.kv_groups) > 1 and held_in_two_groups(state, plan, block_owner):
+    if config.one_block_pool and len(config.kv_groups) > 1 and held_in_two_groups(state, plan, memory.block_owner):
         return Fallback.ONE_POOL  # plan_step names the first such entry and its holder
     if not features:
         return plan

@@ -173,6 +173,10 @@ class RequestStatePool:
             tuple(batch.req_ids) == self._prepared.req_ids
             and np.array_equal(np.asarray(batch.index_mapping)[: len(rows)], rows)  # past them: padded rows
             and np.array_equal(np.asarray(batch.seq_lens)[: len(rows)], seq_lens)
+            # an earlier step's batch of the same rows and lengths (a decode after a one-draft step) is told apart
+            # by its padding: the graph it was prepared for, and its padded token count
+            and batch.descriptor == self._prepared.descriptor
+            and batch.num_tokens_padded == self._prepared.num_tokens_padded
         )
 
     def feature(self, kind: type[F]) -> F | None:

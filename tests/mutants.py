@@ -289,7 +289,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "fast-shared-block-slots-unchecked",
         "13 DuplicateSlotError: no two tokens of a step write one slot",
         "fast/validate.py",
-        "if has_repeats(written, -1):  # a block written by two requests: plan_step checks per slot",
+        "if written_twice(new_written[g] if num_new else EMPTY, written, memory.written):",
         "if False:",
         (TARGETED, INVALID),
     ),

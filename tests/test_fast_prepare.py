@@ -35,7 +35,7 @@ def _random_case(seed: int) -> tuple[DeviceState, dict[str, np.ndarray], int]:
     dev.reserve_tokens(config.max_model_len)  # the token array grows on demand: make all of it writable here
     dev.token_ids.copy_(torch.from_numpy(rng.integers(0, 1000, (rows, max_model_len))))
     for g, group in enumerate(groups):
-        dev.table(g).copy_(torch.from_numpy(rng.integers(0, group.num_blocks, dev.table(g).shape, dtype=np.int32)))
+        _fill_table(dev, g, rng.integers(0, group.num_blocks, dev.table(g).shape, dtype=np.int32), rng)
     num_reqs = int(rng.integers(0, rows + 1))
     index_mapping = rng.permutation(rows)[:num_reqs].astype(np.int32)  # batch_idx -> req_state_idx
     num_scheduled = rng.integers(1, max_model_len + 1, num_reqs).astype(np.int32)
@@ -44,6 +44,15 @@ def _random_case(seed: int) -> tuple[DeviceState, dict[str, np.ndarray], int]:
     dev.num_computed.copy_(torch.from_numpy(num_computed))
     padded = int(num_scheduled.sum()) + int(rng.integers(0, 6))
     return dev, {"index_mapping": index_mapping, "num_scheduled": num_scheduled}, padded
+
+
+def _fill_table(dev: DeviceState, g: int, ids: np.ndarray, rng: np.random.Generator) -> None:
+    """Group g's table [R, width] from `ids`, each row filled to a random count and null past it, as the pool keeps
+    every table (spec/state.py's commit): the host path copies only the filled entries."""
+    counts = rng.integers(0, ids.shape[1] + 1, ids.shape[0])
+    ids = np.where(np.arange(ids.shape[1]) < counts[:, None], ids, 0).astype(np.int32)
+    dev.table(g).copy_(torch.from_numpy(ids))
+    dev.num_blocks[g].copy_(torch.from_numpy(counts.astype(np.int64)))
 
 
 def _expected(dev: DeviceState, index_mapping: np.ndarray, num_scheduled: np.ndarray, padded: int) -> dict:
@@ -114,13 +123,48 @@ def test_cpu_path_matches_spec(seed: int) -> None:
     groups = len(dev.config.kv_groups)
     tables = np.full(n * dev.total_width, -7, np.int32)  # stale: every entry must be written
     slots = np.full(groups * padded, -7, np.int64)
+    held = np.full((groups * n, 3), -1, np.int64)  # unknown: every out row copied, and cleared past its count
+    versions = np.zeros((groups, dev.config.max_num_reqs), np.int64)
     tables_and_slots(dev.tables.numpy(), dev.config.max_num_reqs, dev.offsets_np, dev.widths_np, dev.block_sizes_np,
-                     rows, token_rows, positions, tables, slots)  # fmt: skip
+                     dev.num_blocks.numpy().astype(np.int64), versions, rows, token_rows, positions, tables, held,
+                     slots)  # fmt: skip
     for g, (off, width) in enumerate(zip(dev.offsets_np.tolist(), dev.widths_np.tolist(), strict=True)):
         got = tables[n * off : n * (off + width)].reshape(n, width)
         _assert_same(f"block_tables[{g}]", torch.from_numpy(got), want["block_tables"][g])
         _assert_same(f"slot_mappings[{g}]", torch.from_numpy(slots[g * padded : (g + 1) * padded]),
                      want["slot_mappings"][g])  # fmt: skip
+
+
+def test_cpu_tables_reused_rows_are_current() -> None:
+    """The host path's out rows are reused from call to call: a row whose table version did not move keeps its copy,
+    every other is copied (filled entries only) and cleared past its new count where it held a longer table (another
+    request in that batch place, a row whose table was replaced); an out row of unknown contents (-1) is cleared over
+    its whole width. Here some rows keep their tables and version between calls and the rest change."""
+    rng = np.random.default_rng(7)
+    config = WorkerConfig(6, 64, 10_000, 1000, (KVCacheGroup(4, 500), KVCacheGroup(16, 300)))
+    dev = DeviceState(config, torch.device("cpu"))
+    n, width = 4, dev.total_width
+    tables = np.full(n * width, -7, np.int32)  # stale everywhere before the first call
+    held = np.full((2 * n, 3), -1, np.int64)
+    versions = np.zeros((2, 6), np.int64)
+    for step in range(16):
+        for g, group in enumerate(config.kv_groups):
+            before = dev.table(g).numpy().copy()
+            _fill_table(dev, g, rng.integers(1, group.num_blocks, dev.table(g).shape, dtype=np.int32), rng)
+            keep = rng.random(6) < 0.5  # these rows keep last step's table, and so its version
+            dev.table(g).numpy()[keep] = before[keep]
+            dev.num_blocks[g].numpy()[keep] = (before[keep] != 0).sum(axis=1)
+            versions[g, ~keep] += 1
+        rows = rng.permutation(6)[:n].astype(np.int64)
+        positions, token_rows = np.zeros(n, np.int64), rows.copy()  # one token per request at position 0
+        slots = np.zeros(2 * n, np.int64)
+        tables_and_slots(dev.tables.numpy(), 6, dev.offsets_np, dev.widths_np, dev.block_sizes_np,
+                         dev.num_blocks.numpy().astype(np.int64), versions, rows, token_rows, positions, tables, held,
+                         slots)  # fmt: skip
+        for g, (off, w) in enumerate(zip(dev.offsets_np.tolist(), dev.widths_np.tolist(), strict=True)):
+            got = tables[n * off : n * (off + w)].reshape(n, w)
+            want = spec.slots.gather_block_tables(dev.table(g).numpy(), rows)
+            np.testing.assert_array_equal(got, want, err_msg=f"step {step} block_tables[{g}]")
 
 
 HUGE_BLOCKS = 2**26 + 5  # with block_size 64: 2**32 + 320 slots

@@ -249,6 +249,27 @@ def test_prompt_chunk_of_one_token_is_not_replayed_as_a_uniform_decode(handle: B
     assert b["index_mapping"].tolist() == [0, 1] and b["query_start_loc"].tolist() == [0, 1, 2]
 
 
+def test_an_earlier_batch_of_the_same_rows_and_lengths_is_told_apart_by_its_padding(handle: BackendHandle) -> None:
+    # a one-draft step whose draft is rejected, then a plain decode: both batches hold 'a' in row 0 at seq_len 2, so
+    # only the graph the decode was padded for tells the first batch apart: recording it again is refused on both
+    # backends (found by the invalid suite: spec took it for a copy of the last batch, fast refused it)
+    pool = handle.make_pool(CONFIG)
+    first = SchedulerOutput(new_requests=(_new("a", 1, (1,)),), num_scheduled_tokens={"a": 2},
+                            scheduled_spec_decode_tokens={"a": (7,)})  # fmt: skip
+    pool.apply(first)
+    old = pool.prepare(first)
+    pool.record_sampled(old, handle.asarray(np.array([[5, -1]])))  # the draft rejected: 1 token kept
+    step = SchedulerOutput(cached_requests=(CachedRequest("a", 1),), num_scheduled_tokens={"a": 1})
+    pool.apply(step)
+    batch = pool.prepare(step, graphs=CapturedGraphs((2, 4), max_num_reqs=2, mode="FULL", uniform_decode_query_len=2))
+    assert _np(handle, old.seq_lens).tolist() == _np(handle, batch.seq_lens)[:1].tolist() == [2]
+    before = pool.snapshot()
+    with pytest.raises(InconsistentSchedulerOutputError, match="batch"):
+        pool.record_sampled(old, handle.asarray(np.array([3])))
+    assert pool.snapshot() == before
+    pool.record_sampled(batch, handle.asarray(np.array([3])))
+
+
 def test_pad_to_and_graphs_together_are_refused_and_change_nothing(handle: BackendHandle) -> None:
     pool = handle.make_pool(CONFIG)
     sched = SchedulerOutput(new_requests=(_new("a", 3, (1,)),), num_scheduled_tokens={"a": 3})
