@@ -136,16 +136,68 @@ class HostMirror(PoolState):
         # [G, R] bumped whenever a row's table changes: a gathered copy of the row with the same version is current
         # (fast.slots.tables_and_slots copies only the rows whose version moved)
         self.table_versions = np.zeros((len(config.kv_groups), rows), np.int64)
+        self._offsets, self._widths = offsets.astype(np.int64), widths.astype(np.int64)  # [G] table_layout's
 
     def commit(self, plan: StepPlan) -> None:
-        super().commit(plan)
-        if plan.freed_rows.size:  # cleared by the commit: a later owner of the row starts from a new version
-            self.table_versions[:, plan.freed_rows] += 1
+        """spec's PoolState.commit with its array writes in one compiled pass (a dozen NumPy calls in spec, most
+        of a step's commit when requests finish and start); the tables' versions bumped with every change."""
+        freed, new_rows = plan.freed_rows, plan.new_rows
+        for row in freed.tolist():
+            del self.row_of[self.req_ids[row]]
+            self.req_ids[row] = None
+        for row, req_id in zip(new_rows.tolist(), plan.new_req_ids, strict=True):
+            self.req_ids[row] = req_id
+            self.row_of[req_id] = row
+        _commit_rows(freed, new_rows, plan.prompt_lens, self.num_known_tokens, self.num_computed_tokens,
+                     self.prompt_lens, self.num_blocks, self.sampled_in, self.flat_tables, self._offsets,
+                     self._widths, self.table_versions)  # fmt: skip
+        for g, writes in enumerate(plan.tables):
+            if writes.rows.size:
+                self.write_table(g, writes)
+        _set_at(self.num_computed_tokens, plan.rows, plan.num_computed)
 
     def write_table(self, g: int, writes: TableWrites) -> None:
         w = writes
         write_tables(self.block_tables[g], self.num_blocks[g], w.rows, w.starts, w.lengths, w.ids, w.replaced,
                      self.table_versions[g])  # fmt: skip
+
+
+@njit(cache=True, nogil=True)
+def _commit_rows(  # pragma: no cover - compiled; tested through the pool against spec
+    freed: np.ndarray,  # [f] int64 req_state_idx of the finished requests
+    new_rows: np.ndarray,  # [k] int64 req_state_idx of the new requests
+    prompt_lens: np.ndarray,  # [k] int64 their prompt lengths
+    num_known: np.ndarray,  # [R] int64
+    num_computed: np.ndarray,  # [R] int64
+    row_prompt_lens: np.ndarray,  # [R] int64
+    num_blocks: np.ndarray,  # [G, R] int64
+    sampled_in: np.ndarray,  # [R] int64
+    flat_tables: np.ndarray,  # [R * total_width] int32, every group's [R, width] table
+    offsets: np.ndarray,  # [G] int64 each group's table offset, in rows' widths
+    widths: np.ndarray,  # [G] int64
+    versions: np.ndarray,  # [G, R] int64 table versions
+) -> None:
+    """spec's commit for finished rows (cleared: no count, no pending token, no stale id for the next owner) and
+    new rows (known tokens and prompt length)."""
+    num_rows = num_known.shape[0]
+    for i in range(freed.shape[0]):
+        row = freed[i]
+        num_known[row] = num_computed[row] = row_prompt_lens[row] = 0
+        sampled_in[row] = -1
+        for g in range(offsets.shape[0]):
+            num_blocks[g, row] = 0
+            versions[g, row] += 1
+            start = num_rows * offsets[g] + row * widths[g]
+            flat_tables[start : start + widths[g]] = NULL_BLOCK_ID
+    for i in range(new_rows.shape[0]):
+        num_known[new_rows[i]] = row_prompt_lens[new_rows[i]] = prompt_lens[i]
+
+
+@njit(cache=True, nogil=True)
+def _set_at(out: np.ndarray, at: np.ndarray, values: np.ndarray) -> None:  # pragma: no cover - compiled
+    """out[at] = values, at [n] distinct."""
+    for i in range(at.shape[0]):
+        out[at[i]] = values[i]
 
 
 @njit(cache=True, nogil=True)
