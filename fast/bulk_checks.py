@@ -78,19 +78,12 @@ def check_new_requests(
     prompt_lens, tokens = joined
     if not ids_in_range(tokens, config.vocab_size):
         return None
-    if prompt_lens.max() > config.max_model_len or list(map(len, tables)).count(num_groups) != k:
+    if list(map(len, tables)).count(num_groups) != k:
         return None
     num_computed = np.array(computed_in, np.int64)
-    last = num_computed + num_scheduled - 1  # [k] last position written
-    if num_drafts is None:
-        known_end = prompt_lens  # [k] past the last input token each may read
-    else:  # a drafting request's step ends at its last draft, and holds its last known token first
-        known_end = prompt_lens + num_drafts
-        drafting = num_drafts > 0
-        misplaced = (last != known_end - 1) | (last >= config.max_model_len) | (num_scheduled < 1 + num_drafts)
-        if (drafting & misplaced).any():
-            return None
-    if num_computed.min() < 0 or (last >= known_end).any():
+    last = np.empty(k, np.int64)  # [k] last position written
+    drafts = EMPTY if num_drafts is None else num_drafts
+    if not _new_progress(prompt_lens, num_computed, num_scheduled, drafts, config.max_model_len, last):
         return None
     writes, written = [], []
     for g, group in enumerate(config.kv_groups):
@@ -108,6 +101,29 @@ def check_new_requests(
         written.append(out)
         writes.append(TableWrites(EMPTY, np.zeros(k, np.int64), lengths, ids, np.ones(k, bool)))
     return num_computed, prompt_lens, tokens, writes, written
+
+
+@njit(cache=True, nogil=True)
+def _new_progress(  # pragma: no cover - compiled; tested through plan_bulk_step against plan_step
+    prompt_lens: np.ndarray,  # [k] int64
+    num_computed: np.ndarray,  # [k] int64 as the scheduler says
+    num_scheduled: np.ndarray,  # [k] int64 >= 1
+    num_drafts: np.ndarray,  # [k] int64 drafts of each, or empty: nobody drafts
+    max_model_len: int,
+    last: np.ndarray,  # [k] int64 out: last position each writes
+) -> bool:
+    """Checks 1, 7 and 8 of the new requests: prompts within max_model_len, num_computed >= 0, every position
+    written a prompt token or one of the request's drafts, which follow its prompt (a drafting request's step ends
+    at its last draft, within max_model_len, and holds at least its drafts and one token before them)."""
+    for i in range(prompt_lens.shape[0]):
+        last[i] = num_computed[i] + num_scheduled[i] - 1
+        k = num_drafts[i] if num_drafts.shape[0] else 0
+        known_end = prompt_lens[i] + k  # past the last input token it may read
+        if prompt_lens[i] > max_model_len or num_computed[i] < 0 or last[i] >= known_end:
+            return False
+        if k and (last[i] != known_end - 1 or last[i] >= max_model_len or num_scheduled[i] < 1 + k):
+            return False
+    return True
 
 
 @njit(cache=True, nogil=True)

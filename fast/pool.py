@@ -29,7 +29,6 @@ copies of index_mapping and seq_lens that record_sampled reads are the pool's ow
 
 from __future__ import annotations
 
-import dataclasses
 from collections import Counter
 from operator import itemgetter
 from typing import Any, TypeVar
@@ -43,7 +42,7 @@ from fast.drafts import SamplerFields, store_drafts
 from fast.fallback import Fallback
 from fast.feature import Placement
 from fast.graphs import CapturedGraphs, dispatch
-from fast.host_prepare import HostBatch
+from fast.host_prepare import HostBatch, new_batch
 from fast.kernel_prepare import DeviceBatch
 from fast.model_kinds import fast_features_for
 from fast.padding import PaddedRows
@@ -186,7 +185,7 @@ class RequestStatePool:
         )
         if self.features:  # the model kind's records of the batch (fast/feature.py)
             records = tuple(f.prepare(self.state, plan, batch, order) for f in self.features)
-            batch = dataclasses.replace(batch, features=records)
+            batch = new_batch(batch.__dict__ | {"features": records})
         if pads_rows and graphs is not None and descriptor is not None:  # the graph's request rows, reused buffers
             batch = pad_request_rows(batch, descriptor, graphs.profile, self.features, self._padded_rows)
         self._prepared_drafts = drafts

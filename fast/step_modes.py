@@ -268,8 +268,8 @@ def step_mode(config: WorkerConfig, dev: DeviceState, host_mode: bool, interpret
 
 
 def host_array(x: object) -> np.ndarray:
-    if isinstance(x, torch.Tensor):
-        return x.detach().cpu().numpy()
+    if isinstance(x, torch.Tensor):  # a CPU tensor outside autograd shares its memory as it is (half the calls)
+        return x.numpy() if x.is_cpu and not x.requires_grad else x.detach().cpu().numpy()
     return np.asarray(x)
 
 

@@ -310,6 +310,14 @@ MUTANTS: tuple[Mutant, ...] = (
         (INVALID,),
     ),
     Mutant(
+        "fast-new-request-unknown-token-off-by-one",
+        "8 UnknownTokenError: a new request's every input token known",
+        "fast/bulk_checks.py",
+        "if prompt_lens[i] > max_model_len or num_computed[i] < 0 or last[i] >= known_end:",
+        "if prompt_lens[i] > max_model_len or num_computed[i] < 0 or last[i] > known_end:",
+        (INVALID,),
+    ),
+    Mutant(
         "spec-cp-transform-on-replicated-group",
         "context parallelism: a replicated group keeps the pool's slots on every rank (vLLM PR #57260)",
         "spec/context_parallel.py",

@@ -7,6 +7,8 @@ case puts slots past 2**31 without allocating any KV cache (the pool holds only 
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -15,6 +17,7 @@ import fast
 import spec.flatten
 import spec.slots
 from fast.flatten import flatten
+from fast.host_prepare import new_batch
 from fast.kernels.prepare import output_sizes, prepare_triton
 from fast.runtime import HAVE_TRITON, interpret
 from fast.slots import tables_and_slots
@@ -165,6 +168,21 @@ def test_cpu_tables_reused_rows_are_current() -> None:
             got = tables[n * off : n * (off + w)].reshape(n, w)
             want = spec.slots.gather_block_tables(dev.table(g).numpy(), rows)
             np.testing.assert_array_equal(got, want, err_msg=f"step {step} block_tables[{g}]")
+
+
+def test_new_batch_is_the_constructors_batch() -> None:
+    """fast's batches skip the frozen dataclass's __init__ (fast.host_prepare.new_batch): the object must be the one
+    BatchInputs(**fields) builds, defaults included, and a missing or unknown field still the constructor's error."""
+    fields = {f.name: object() for f in dataclasses.fields(spec.BatchInputs) if f.default is dataclasses.MISSING}
+    fields["row_classes"] = object()
+    got, want = new_batch(fields), spec.BatchInputs(**fields)
+    assert type(got) is spec.BatchInputs and got.__dict__ == want.__dict__
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        got.num_tokens = 3  # type: ignore[misc]
+    with pytest.raises(TypeError, match="seq_lens"):
+        new_batch({k: v for k, v in fields.items() if k != "seq_lens"})
+    with pytest.raises(TypeError, match="not_a_field"):
+        new_batch(fields | {"not_a_field": 1})
 
 
 HUGE_BLOCKS = 2**26 + 5  # with block_size 64: 2**32 + 320 slots
