@@ -138,16 +138,19 @@ def read_cached(cached: Any) -> tuple[list[str], Any, list[Any] | None] | None:
 
 
 class RowMemo:
-    """The continuing requests' rows of the last step the bulk planner read, kept while no row changes hands.
+    """The continuing requests' rows of the last step the bulk planner read, kept while they hold them.
 
-    A steady decode step continues the same requests as the last one, in the same order: comparing the two id
-    lists costs a fraction of a dict lookup per request. The pool forgets the memo whenever a commit frees or
-    fills a row (the only time a request's row can change), so a remembered row is the row the pool holds.
+    A steady step continues the same requests as the last one, in the same order (a decode batch; the decodes of a
+    mixed one, beside prompts that come and go): comparing the two id lists costs a fraction of a dict lookup per
+    request. A request's row changes only when it leaves (a finished row, freed by a commit) and comes back, and a
+    new request takes only a free row: so the pool's commit hands the memo the rows it frees, and the memo is
+    forgotten when one of them is a remembered row. A remembered row is then always the row the pool holds.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, num_rows: int) -> None:
         self.req_ids: list[str] | None = None  # [n] the ids last read; None: nothing remembered
         self.rows: np.ndarray = EMPTY  # [n] int64 their req_state_idx, read-only (plans share it)
+        self._held = np.zeros(num_rows, np.bool_)  # [R] req_state_idx -> among `rows`
 
     def rows_of(self, state: PoolState, req_ids: list[str]) -> np.ndarray:
         """[n] int64 the rows of `req_ids`; KeyError for a request that holds none."""
@@ -155,11 +158,16 @@ class RowMemo:
             return self.rows
         rows = np.fromiter(map(state.row_of.__getitem__, req_ids), np.int64, len(req_ids))
         rows.flags.writeable = False
+        self._held[self.rows] = False
+        self._held[rows] = True
         self.req_ids, self.rows = req_ids, rows
         return rows
 
-    def forget(self) -> None:
-        self.req_ids = None
+    def freed(self, rows: np.ndarray) -> None:
+        """A commit freed `rows` [f] req_state_idx: a remembered request among them may come back elsewhere."""
+        if self.req_ids is not None and self._held[rows].any():
+            self._held[self.rows] = False
+            self.req_ids, self.rows = None, EMPTY
 
 
 def rows_of_new(

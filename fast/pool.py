@@ -131,8 +131,8 @@ class RequestStatePool:
         dev.reserve_tokens(longest)
         writes = None if self.host_mode else step_writes(state, plan)  # needs the mirror as it was
         state.commit(plan)
-        if plan.freed_rows.size or plan.new_rows.size:  # rows changed hands: the remembered ones may be stale
-            self._planner.rows.forget()
+        if plan.freed_rows.size:  # a remembered request that left may come back in another row
+            self._planner.rows.freed(plan.freed_rows)
         for feature in self.features:  # their per-row state (spec's records; fast's M-RoPE tables on the device)
             feature.commit(state, plan)
         self.released.refresh(state, plan)

@@ -65,7 +65,7 @@ MAX_OWNER_MAP = 1 << 26  # the largest pool whose one-block-pool check keeps an 
 class PlannerMemory:
     """What the bulk planner keeps for one pool between steps: scratch maps over block ids, zero between calls
     (a map is 1 byte an id, most of it never touched; a pool past MAX_OWNER_MAP ids sorts instead), and the last
-    step's continuing rows (fast/bulk_read.py RowMemo)."""
+    step's continuing rows (fast/bulk_read.py RowMemo), told of every freed row by the pool's commit."""
 
     def __init__(self, config: WorkerConfig) -> None:
         pooled = config.one_block_pool and len(config.kv_groups) > 1
@@ -74,7 +74,7 @@ class PlannerMemory:
         # [num_blocks] int8 id -> 1 + the group holding it: the one-block-pool check's (held_in_two_groups)
         self.block_owner = np.zeros(config.kv_groups[0].num_blocks, np.int8) if pooled and fits else None
         self.written = np.zeros(num_ids, np.int8) if fits else None  # [max num_blocks] ids a step writes (check 13)
-        self.rows = RowMemo()
+        self.rows = RowMemo(config.max_num_reqs)
 
 
 def plan_bulk_step(
@@ -82,7 +82,7 @@ def plan_bulk_step(
     sched: SchedulerOutput,
     features: Sequence[Feature] = (),  # the pool's model-kind features (spec.model_kinds.features_for)
     released_tails: list[np.ndarray | None] | None = None,  # per group [R]: fast/released.py's tails, or None: scan
-    memory: PlannerMemory | None = None,  # the pool's, its rows forgotten by its commit when a row changes hands
+    memory: PlannerMemory | None = None,  # the pool's: its commit tells the row memo which rows it frees
 ) -> StepPlan | Fallback:
     config = state.config
     memory = memory or PlannerMemory(config)

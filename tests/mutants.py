@@ -310,6 +310,14 @@ MUTANTS: tuple[Mutant, ...] = (
         (INVALID,),
     ),
     Mutant(
+        "fast-row-memo-kept-past-a-freed-row",
+        "3 rows: a continuing request's row is the row it holds",
+        "fast/bulk_read.py",
+        "if self.req_ids is not None and self._held[rows].any():",
+        "if False:",
+        ("tests/test_fast_validate.py",),
+    ),
+    Mutant(
         "fast-new-request-unknown-token-off-by-one",
         "8 UnknownTokenError: a new request's every input token known",
         "fast/bulk_checks.py",

@@ -24,6 +24,7 @@ from conformance.driving import sampled_array
 from conformance.mutations import break_output
 from conformance.scenario import random_scenario
 from conformance.scheduler import ReferenceScheduler
+from fast.bulk_read import RowMemo
 from fast.fallback import Fallback
 from fast.runtime import interpret
 from fast.validate import plan_bulk_step
@@ -512,3 +513,28 @@ def test_async_drafts_proposed_on_the_device_take_the_bulk_path() -> None:
     with pytest.raises(spec.UnknownTokenError, match="verdict"):
         pool.apply(sent)
     assert pool.fallbacks == Counter({Fallback.ASYNC_RULES: 1})
+
+
+def test_row_memo_follows_a_request_that_left_and_came_back() -> None:
+    """The bulk planner remembers the continuing requests' rows (fast.bulk_read.RowMemo) while they hold them: when
+    a commit frees one of them, the memo is forgotten, and the same list of ids read again finds the request's new
+    row. Here 'a' leaves row 0, 'c' takes it, and 'a' comes back in row 2."""
+    config = WorkerConfig(4, 16, 64, 10, (KVCacheGroup(4, 20),))
+    pool = spec.RequestStatePool(config)
+    first = SchedulerOutput(
+        new_requests=(NewRequest("a", (1, 2), ((1,),)), NewRequest("b", (1, 2), ((2,),))),
+        num_scheduled_tokens={"a": 2, "b": 2},
+    )
+    pool.apply(first)
+    memo = RowMemo(config.max_num_reqs)
+    assert memo.rows_of(pool.state, ["a", "b"]).tolist() == [0, 1]
+    swap = SchedulerOutput(new_requests=(NewRequest("c", (3,), ((3,),)),), num_scheduled_tokens={"c": 1},
+                           finished_req_ids=frozenset({"a"}))  # fmt: skip
+    pool.apply(swap)
+    memo.freed(np.array([0]))  # what the fast pool's commit tells its memo
+    back = SchedulerOutput(new_requests=(NewRequest("a", (1, 2), ((4,),)),), num_scheduled_tokens={"a": 2})
+    pool.apply(back)
+    assert pool.state.row_of["a"] == 2
+    assert memo.rows_of(pool.state, ["a", "b"]).tolist() == [2, 1]
+    memo.freed(np.array([3]))  # a row it does not remember: the memo stands
+    assert memo.req_ids == ["a", "b"]
