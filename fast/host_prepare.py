@@ -8,33 +8,16 @@ persistent input buffers). A step shaped like the last reuses the last step's te
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import numpy as np
 import torch
 
 from fast.flatten import flatten
+from fast.records import new_batch
 from fast.slots import tables_and_slots
 from fast.state import DeviceState, HostMirror
 from spec.types import BatchInputs
-
-# BatchInputs' fields with a default, and their defaults (new_batch fills them in)
-_BATCH_DEFAULTS = {f.name: f.default for f in dataclasses.fields(BatchInputs) if f.default is not dataclasses.MISSING}
-_BATCH_FIELDS = frozenset(f.name for f in dataclasses.fields(BatchInputs))
-_BATCH_REQUIRED = _BATCH_FIELDS - _BATCH_DEFAULTS.keys()
-
-
-def new_batch(fields: dict[str, Any]) -> BatchInputs:
-    """BatchInputs(**fields), the same frozen object, without the frozen dataclass's __init__: that sets each of the
-    two dozen fields through object.__setattr__, about 4 us of a decode step's host time (BatchInputs has no
-    __post_init__ to skip: tests/test_fast_prepare.py holds it equal to the constructor's)."""
-    if not _BATCH_REQUIRED <= fields.keys() <= _BATCH_FIELDS:
-        return BatchInputs(**fields)  # a missing or unknown field: the constructor's TypeError names it
-    batch = object.__new__(BatchInputs)
-    batch.__dict__.update(_BATCH_DEFAULTS)
-    batch.__dict__.update(fields)
-    return batch
 
 
 class HostBatch:
@@ -103,7 +86,7 @@ class HostBatch:
             }
             self._views_key = key
         views = self._views | fields if fields else self._views
-        return new_batch(views | {"req_ids": req_ids, "num_tokens": num_tokens, "num_tokens_padded": padded})
+        return new_batch(req_ids=req_ids, num_tokens=num_tokens, num_tokens_padded=padded, **views)
 
     def _buffer32(self, size: int) -> np.ndarray:
         if self._out32.size < size:

@@ -42,10 +42,11 @@ from fast.drafts import SamplerFields, store_drafts
 from fast.fallback import Fallback
 from fast.feature import Placement
 from fast.graphs import CapturedGraphs, dispatch
-from fast.host_prepare import HostBatch, new_batch
+from fast.host_prepare import HostBatch
 from fast.kernel_prepare import DeviceBatch
 from fast.model_kinds import fast_features_for
 from fast.padding import PaddedRows
+from fast.records import new_batch
 from fast.released import ReleasedTails
 from fast.runtime import interpret, interpret_enabled, use_triton
 from fast.state import DeviceState, HostMirror, write_prompts
@@ -185,7 +186,7 @@ class RequestStatePool:
         )
         if self.features:  # the model kind's records of the batch (fast/feature.py)
             records = tuple(f.prepare(self.state, plan, batch, order) for f in self.features)
-            batch = new_batch(batch.__dict__ | {"features": records})
+            batch = new_batch(**(batch.__dict__ | {"features": records}))
         if pads_rows and graphs is not None and descriptor is not None:  # the graph's request rows, reused buffers
             batch = pad_request_rows(batch, descriptor, graphs.profile, self.features, self._padded_rows)
         self._prepared_drafts = drafts

@@ -54,6 +54,7 @@ from fast.bulk_read import (
     scheduler_index,
 )
 from fast.fallback import Fallback
+from fast.records import new_plan
 from spec.feature import Feature
 from spec.model_kinds import known_features
 from spec.state import PoolState, StepPlan
@@ -171,7 +172,7 @@ def plan_bulk_step(
         sched_rows, sched_computed = np.empty(n + num_new, np.int64), np.empty(n + num_new, np.int64)
         sched_rows[cached_at], sched_rows[new_at] = rows, new_rows
         sched_computed[cached_at], sched_computed[new_at] = num_computed, new_computed
-    plan = StepPlan(
+    plan = new_plan(
         freed_rows=freed_rows,
         new_req_ids=tuple(new_ids),
         new_rows=new_rows,

@@ -17,11 +17,12 @@ import fast
 import spec.flatten
 import spec.slots
 from fast.flatten import flatten
-from fast.host_prepare import new_batch
 from fast.kernels.prepare import output_sizes, prepare_triton
+from fast.records import new_batch, new_plan, record_maker
 from fast.runtime import HAVE_TRITON, interpret
 from fast.slots import tables_and_slots
 from fast.state import DeviceState
+from spec.state import StepPlan
 from spec.types import KVCacheGroup, NewRequest, SchedulerOutput, WorkerConfig
 
 needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason="Triton is not installed on this platform")
@@ -170,19 +171,25 @@ def test_cpu_tables_reused_rows_are_current() -> None:
             np.testing.assert_array_equal(got, want, err_msg=f"step {step} block_tables[{g}]")
 
 
-def test_new_batch_is_the_constructors_batch() -> None:
-    """fast's batches skip the frozen dataclass's __init__ (fast.host_prepare.new_batch): the object must be the one
-    BatchInputs(**fields) builds, defaults included, and a missing or unknown field still the constructor's error."""
-    fields = {f.name: object() for f in dataclasses.fields(spec.BatchInputs) if f.default is dataclasses.MISSING}
-    fields["row_classes"] = object()
-    got, want = new_batch(fields), spec.BatchInputs(**fields)
-    assert type(got) is spec.BatchInputs and got.__dict__ == want.__dict__
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        got.num_tokens = 3  # type: ignore[misc]
-    with pytest.raises(TypeError, match="seq_lens"):
-        new_batch({k: v for k, v in fields.items() if k != "seq_lens"})
-    with pytest.raises(TypeError, match="not_a_field"):
-        new_batch(fields | {"not_a_field": 1})
+def test_records_are_the_constructors_records() -> None:
+    """fast builds its batches and plans without the frozen dataclass's __init__ (fast/records.py): each object must
+    be the one the constructor builds, defaults and default factories included, still frozen, and a missing or
+    unknown field still the constructor's error; a class with __post_init__ is refused."""
+    for cls, make in ((spec.BatchInputs, new_batch), (StepPlan, new_plan)):
+        fields = {f.name: object() for f in dataclasses.fields(cls)
+                  if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}  # fmt: skip
+        got, want = make(**fields), cls(**fields)
+        assert type(got) is cls and got.__dict__ == want.__dict__
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            got.req_ids = ()  # type: ignore[misc]
+        missing = next(iter(fields))
+        with pytest.raises(TypeError, match=missing):
+            make(**{k: v for k, v in fields.items() if k != missing})
+        with pytest.raises(TypeError, match="not_a_field"):
+            make(**fields, not_a_field=1)
+    assert new_plan(**fields).features is not new_plan(**fields).features  # a factory's default, one per record
+    with pytest.raises(TypeError, match="__post_init__"):
+        record_maker(spec.KVCacheGroup)
 
 
 HUGE_BLOCKS = 2**26 + 5  # with block_size 64: 2**32 + 320 slots
