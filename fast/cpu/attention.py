@@ -10,8 +10,8 @@ once, and runs every tile that sees the block over the copy, with an online soft
 Items of one batch row and KV head are next to each other, so the items after the first find that head's
 blocks in L2. Keys a row may not see inside the walked range (causal within the tile, the window of earlier
 queries) get -inf before the softmax; keys outside the range are never read, so unwritten slots may hold
-anything. The kernels are serial and release the GIL; fast.cpu.threads hands each kernel's rows or items out
-in cost-balanced shares to the calling thread and its pool, as many threads as torch uses.
+anything. The kernels are serial; fast.cpu.threads runs each kernel's rows or items in cost-balanced shares on
+torch's OpenMP threads, as many as torch uses.
 
 Cache elements are widened to float32 as they are loaded (fast.cpu.lanes), so a float16 or bfloat16 cache
 is never converted in memory. Non-finite inputs follow IEEE arithmetic as spec does: a NaN in a row's
@@ -30,7 +30,7 @@ from numba import njit
 
 from fast.cpu.decode import decode_kernel
 from fast.cpu.prefill import prefill_kernel, window_start
-from fast.cpu.threads import SHARES_PER_THREAD, run_shares
+from fast.cpu.threads import SHARES_PER_THREAD, run_shares, team_threads
 from spec.fp8 import Fp8Format
 
 TILE_ROWS = 64  # query rows (tile queries x group) a tile aims for: its logits and P.V stay in L1 and L2
@@ -73,7 +73,7 @@ def paged_attention_cpu(
     tile = query_tile(group)
     items, item_costs, decode_rows, decode_costs = plan_items(
         lens, starts, table, query.shape[0], num_blocks, block_size, num_kv_heads, group, tile, sliding_window or 0,
-        torch.get_num_threads() * SHARES_PER_THREAD,
+        team_threads() * SHARES_PER_THREAD,
     )  # fmt: skip
     o, q = out.numpy(), query.numpy()
     first, last = int(starts[0]), int(starts[-1])
@@ -86,13 +86,11 @@ def paged_attention_cpu(
     key, value = _elements(key_cache, fmt), _elements(value_cache, fmt)
     scale32, window, cap = np.float32(scale), sliding_window or 0, np.float32(softcap or 0.0)
     if decode_rows.size:
-        run_shares(lambda rows: decode_kernel(o, q, key, value, strides, table, lens, starts, rows, group, head_dim,
-                                              block_size, scale32, window, cap, k_scales, v_scales),
-                   decode_rows, decode_costs)  # fmt: skip
+        run_shares(decode_kernel, (o, q, key, value, strides, table, lens, starts), decode_rows,
+                   (group, head_dim, block_size, scale32, window, cap, k_scales, v_scales), decode_costs)  # fmt: skip
     if items.shape[0]:
-        run_shares(lambda share: prefill_kernel(o, q, key, value, strides, table, share, tile, group, head_dim,
-                                                block_size, scale32, window, cap, k_scales, v_scales),
-                   items, item_costs)  # fmt: skip
+        after = (tile, group, head_dim, block_size, scale32, window, cap, k_scales, v_scales)
+        run_shares(prefill_kernel, (o, q, key, value, strides, table), items, after, item_costs)
 
 
 def as_float32(query: torch.Tensor) -> torch.Tensor:
