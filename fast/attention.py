@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fast.cpu.attention import as_float32, narrowed, paged_attention_cpu
+from fast.cpu.attention import as_float32, narrow_into, narrowed, paged_attention_cpu
 from fast.fp8 import codes, scale_tensor
 from fast.runtime import use_triton
 from spec.attention import check_attention_inputs
@@ -92,7 +92,7 @@ def paged_attention(
     if out is None:
         return narrowed(out32, query.dtype)
     if not in_place:
-        out.detach().copy_(narrowed(out32, query.dtype))
+        narrow_into(out32, out.detach())
     return out
 
 

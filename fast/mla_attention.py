@@ -99,7 +99,8 @@ def _decode_host(
         out32, query32, entries, entries, block_table, seq_lens, query_start_loc,
         scale=scale, sliding_window=None, softcap=None, fmt=fmt, k_scale=scales, v_scale=scales,
     )  # fmt: skip
-    return narrowed(out32[:, :, :rank].contiguous(), q_latent.dtype)
+    latent = out32[:, :, :rank]  # [T, H, L]: narrowed reads it in place; a float32 result is made contiguous
+    return narrowed(latent, q_latent.dtype).contiguous()
 
 
 def rows_contiguous(x: torch.Tensor) -> torch.Tensor:

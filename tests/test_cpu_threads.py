@@ -1,18 +1,26 @@
-"""fast's CPU kernels on several threads (fast.cpu.threads): the shares a call is split into, and kernels
-launched from several Python threads at once, each call itself split over 2 threads.
+"""fast's CPU kernels on several threads (fast.cpu.threads): the shares a call is split into, shares run at once on
+torch's OpenMP team, a failure on a team thread reported to the caller, and kernels launched from several Python
+threads at once, each call itself split over 2 threads.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 
 import numpy as np
 import pytest
 import torch
+from numba import njit
 
 import fast
 import fast.cpu.threads
-from fast.cpu.threads import MAX_SHARE_COST, MIN_SHARE_COST, shares
+from fast.cpu.threads import MAX_SHARE_COST, MIN_SHARE_COST, fetch_add, run_shares, share_bounds
+
+
+def shares(costs: np.ndarray, threads: int) -> list[slice]:
+    bounds = share_bounds(costs, threads).tolist()
+    return [slice(a, b) for a, b in itertools.pairwise(bounds)]
 
 
 def _batch(counts: list[int], softcap: float | None, gen: torch.Generator) -> tuple[tuple[torch.Tensor, ...], dict]:
@@ -70,12 +78,12 @@ def test_concurrent_kernel_calls_from_two_python_threads(monkeypatch: pytest.Mon
     torch.set_num_threads(2)
     split: list[int] = []
 
-    def spy(costs: np.ndarray, threads: int) -> list[slice]:
-        parts = shares(costs, threads)
-        split.append(len(parts))
-        return parts
+    def spy(costs: np.ndarray, threads: int) -> np.ndarray:
+        bounds = share_bounds(costs, threads)
+        split.append(bounds.shape[0] - 1)
+        return bounds
 
-    monkeypatch.setattr(fast.cpu.threads, "shares", spy)
+    monkeypatch.setattr(fast.cpu.threads, "share_bounds", spy)
     results: list[list[torch.Tensor]] = [[], []]
     errors: list[BaseException] = []
 
@@ -97,4 +105,45 @@ def test_concurrent_kernel_calls_from_two_python_threads(monkeypatch: pytest.Mon
     for i in range(2):
         assert len(results[i]) == 20
         assert all(torch.equal(r, expected[i]) for r in results[i]), f"batch {i}: a concurrent result differs"
-    assert max(split) >= 2, split  # the calls were split: shares were handed to the pool too
+    assert max(split) >= 2, split  # the calls were split: shares ran on an OpenMP team
+
+
+@njit(nogil=True, cache=True)
+def _meet(arrivals: np.ndarray, seen: np.ndarray, share: np.ndarray) -> None:  # pragma: no cover - compiled
+    """Each share (one item) arrives, then waits, bounded, until another share has arrived: on a team of two
+    threads both see 2; run one share after the other, the first gives up and sees 1."""
+    fetch_add(arrivals, 0, 1)
+    count = 1
+    for _ in range(1 << 30):  # seconds
+        count = fetch_add(arrivals, 0, 0)  # an atomic read: a plain one may be hoisted out of the loop
+        if count >= 2:
+            break
+    seen[share[0]] = count
+
+
+@njit(nogil=True, cache=True)
+def _fail_on(bad: int, share: np.ndarray, done: np.ndarray) -> None:  # pragma: no cover - compiled
+    for i in share:
+        if i == bad:
+            raise ValueError("planted failure")
+        done[i] += 1
+
+
+@pytest.mark.usefixtures("two_torch_threads")
+def test_shares_run_at_once_on_two_openmp_threads() -> None:
+    """Two shares of one call run at the same time (each waits until the other has started), so the team has two
+    threads; every item is run once."""
+    arrivals, seen = np.zeros(1, np.int64), np.zeros(2, np.int64)
+    run_shares(_meet, (arrivals, seen), np.arange(2, dtype=np.int64), (), np.full(2, MIN_SHARE_COST, np.int64))
+    assert arrivals[0] == 2
+    assert seen.tolist() == [2, 2]
+
+
+@pytest.mark.usefixtures("two_torch_threads")
+def test_a_share_that_raises_on_the_team_is_reported_to_the_caller() -> None:
+    done = np.zeros(8, np.int64)
+    items, costs = np.arange(8, dtype=np.int64), np.full(8, MIN_SHARE_COST, np.int64)
+    run_shares(_fail_on, (-1,), items, (done,), costs)
+    assert done.tolist() == [1] * 8  # every item once
+    with pytest.raises(RuntimeError, match="_fail_on failed"):
+        run_shares(_fail_on, (5,), items, (done,), costs)

@@ -311,8 +311,9 @@ def test_paged_attention_refuses_reads_outside_the_tensors(bad: str) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_cpu_conversions_to_and_from_float32_round_as_torch_does(dtype: torch.dtype) -> None:
-    """fast.cpu.attention converts the query and the output with NumPy (no torch parallel region): bit for bit
-    torch's conversion, ties to even, overflow, subnormals and signed zeros included; NaN stays NaN."""
+    """fast.cpu.attention converts the query and the output on the calling thread (compiled loops; NumPy for a
+    float16 output), no torch parallel region: bit for bit torch's conversion, ties to even, overflow, subnormals
+    and signed zeros included; NaN stays NaN."""
     from fast.cpu.attention import as_float32, narrowed
 
     gen = torch.Generator().manual_seed(0)

@@ -10,8 +10,8 @@ once, and runs every tile that sees the block over the copy, with an online soft
 Items of one batch row and KV head are next to each other, so the items after the first find that head's
 blocks in L2. Keys a row may not see inside the walked range (causal within the tile, the window of earlier
 queries) get -inf before the softmax; keys outside the range are never read, so unwritten slots may hold
-anything. The kernels are serial and release the GIL; fast.cpu.threads hands each kernel's rows or items out
-in cost-balanced shares to the calling thread and its pool, as many threads as torch uses.
+anything. The kernels are serial; fast.cpu.threads runs each kernel's rows or items in cost-balanced shares on
+torch's OpenMP threads, as many as torch uses.
 
 Cache elements are widened to float32 as they are loaded (fast.cpu.lanes), so a float16 or bfloat16 cache
 is never converted in memory. Non-finite inputs follow IEEE arithmetic as spec does: a NaN in a row's
@@ -29,8 +29,9 @@ import torch
 from numba import njit
 
 from fast.cpu.decode import decode_kernel
+from fast.cpu.lanes import widen
 from fast.cpu.prefill import prefill_kernel, window_start
-from fast.cpu.threads import SHARES_PER_THREAD, run_shares
+from fast.cpu.threads import SHARES_PER_THREAD, run_shares, team_threads
 from spec.fp8 import Fp8Format
 
 TILE_ROWS = 64  # query rows (tile queries x group) a tile aims for: its logits and P.V stay in L1 and L2
@@ -73,7 +74,7 @@ def paged_attention_cpu(
     tile = query_tile(group)
     items, item_costs, decode_rows, decode_costs = plan_items(
         lens, starts, table, query.shape[0], num_blocks, block_size, num_kv_heads, group, tile, sliding_window or 0,
-        torch.get_num_threads() * SHARES_PER_THREAD,
+        team_threads() * SHARES_PER_THREAD,
     )  # fmt: skip
     o, q = out.numpy(), query.numpy()
     first, last = int(starts[0]), int(starts[-1])
@@ -86,38 +87,65 @@ def paged_attention_cpu(
     key, value = _elements(key_cache, fmt), _elements(value_cache, fmt)
     scale32, window, cap = np.float32(scale), sliding_window or 0, np.float32(softcap or 0.0)
     if decode_rows.size:
-        run_shares(lambda rows: decode_kernel(o, q, key, value, strides, table, lens, starts, rows, group, head_dim,
-                                              block_size, scale32, window, cap, k_scales, v_scales),
-                   decode_rows, decode_costs)  # fmt: skip
+        run_shares(decode_kernel, (o, q, key, value, strides, table, lens, starts), decode_rows,
+                   (group, head_dim, block_size, scale32, window, cap, k_scales, v_scales), decode_costs)  # fmt: skip
     if items.shape[0]:
-        run_shares(lambda share: prefill_kernel(o, q, key, value, strides, table, share, tile, group, head_dim,
-                                                block_size, scale32, window, cap, k_scales, v_scales),
-                   items, item_costs)  # fmt: skip
+        after = (tile, group, head_dim, block_size, scale32, window, cap, k_scales, v_scales)
+        run_shares(prefill_kernel, (o, q, key, value, strides, table), items, after, item_costs)
 
 
 def as_float32(query: torch.Tensor) -> torch.Tensor:
-    """The query as the float32 rows the kernels read (a float32 query as it lies), converted by NumPy on this
-    thread: a torch conversion at two threads leaves libgomp's worker spinning for milliseconds on the core the
-    kernel's second share needs (decode 64 x 1024 in bfloat16: 18.4 ms at two threads, 21.9 at one)."""
+    """The query as the float32 rows the kernels read (a float32 query as it lies), widened exactly by a compiled
+    loop on this thread: no torch parallel region, and no NumPy temporaries (astype and a shift took 0.9 ms for a
+    64 x 32 x 128 bfloat16 query, between calls; the loop 0.03 ms)."""
     if query.dtype == torch.float32:
         return query.contiguous()
-    bits = query.contiguous().view(torch.int16).numpy()
-    if query.dtype == torch.bfloat16:  # a bfloat16 is the top half of the float32 of the same value
-        return torch.from_numpy((bits.view(np.uint16).astype(np.uint32) << 16).view(np.float32))
-    return torch.from_numpy(bits.view(np.float16).astype(np.float32))
+    bits = query.contiguous().view(torch.int16).numpy()  # float16 bits; bfloat16 as uint16, as fast.cpu.lanes reads
+    flat = bits.reshape(-1).view(np.uint16) if query.dtype == torch.bfloat16 else bits.reshape(-1)
+    return torch.from_numpy(_widened(flat).reshape(bits.shape))
 
 
 def narrowed(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """float32 rows in `dtype`, rounded to nearest even as torch rounds (NaN stays NaN), by NumPy on this thread."""
+    """float32 rows (any strides) in `dtype`, rounded to nearest even as torch rounds (NaN stays NaN)."""
     if dtype == torch.float32:
         return out
+    result = torch.empty(out.shape, dtype=dtype)
+    narrow_into(out, result)
+    return result
+
+
+def narrow_into(out: torch.Tensor, dst: torch.Tensor) -> None:
+    """dst (contiguous bfloat16 or float16, out's shape) = out's float32 rows rounded to nearest even, on this
+    thread: a bfloat16 by a compiled loop (NumPy's five passes with temporaries took 1.0 ms for 64 x 32 x 128
+    rows, between calls; the loop 0.06 ms), a float16 by NumPy's conversion."""
     values = out.numpy()
-    if dtype == torch.float16:
-        return torch.from_numpy(values.astype(np.float16))
-    u = values.view(np.uint32)
-    top = ((u + np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
-    top[np.isnan(values)] = 0x7FC0  # the rounding carry can turn a NaN into an infinity or flip its sign
-    return torch.from_numpy(top.view(np.int16)).view(torch.bfloat16)
+    if dst.dtype == torch.bfloat16:
+        _to_bfloat16(values, values.view(np.uint32), dst.view(torch.int16).numpy().view(np.uint16))
+    else:
+        np.copyto(dst.numpy(), values.astype(np.float16))
+
+
+@njit(cache=True, nogil=True)
+def _widened(bits: np.ndarray) -> np.ndarray:  # pragma: no cover - compiled; bits: [n] bfloat16 or float16 bits
+    wide = np.empty(bits.shape[0], np.float32)  # [n]
+    for i in range(bits.shape[0]):
+        wide[i] = widen(bits[i])
+    return wide
+
+
+@njit(cache=True, nogil=True)
+def _to_bfloat16(  # pragma: no cover - compiled
+    values: np.ndarray,  # [T, rows, dim] float32, any strides
+    bits: np.ndarray,  # [T, rows, dim] uint32: values' bits, the same memory
+    dst: np.ndarray,  # [T, rows, dim] uint16, bfloat16 bits
+) -> None:
+    for t in range(values.shape[0]):
+        for r in range(values.shape[1]):
+            for d in range(values.shape[2]):
+                x, u = values[t, r, d], bits[t, r, d]
+                top = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+                # the rounding carry can turn a NaN into an infinity or flip its sign
+                dst[t, r, d] = np.uint16(0x7FC0) if x != x else np.uint16(top)
 
 
 def _elements(cache: torch.Tensor, fmt: Fp8Format | None) -> np.ndarray:

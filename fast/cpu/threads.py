@@ -1,60 +1,107 @@
-"""Threads for fast's CPU kernels: serial compiled kernels, each run on a cost-balanced share of the work.
+"""Threads for fast's CPU kernels: serial compiled kernels, each run on a cost-balanced share of the work, on the
+OpenMP threads torch itself uses.
 
-The kernels are single-threaded Numba functions that release the GIL (`nogil=True`). `run_shares` cuts a
-call's work items into contiguous shares of about equal cost, a few per thread torch uses
-(`torch.get_num_threads()`), and hands them out one at a time to the calling thread and to a process-wide
-pool of Python threads; it returns when every share is done. Items write disjoint output rows, so the
-result does not depend on the split: it is bit for bit the result of one thread.
+The kernels are single-threaded Numba functions. `run_shares` cuts a call's work items into contiguous shares of
+about equal cost, a few per thread torch uses (`torch.get_num_threads()`), and runs them in one OpenMP parallel
+region of the libgomp torch has loaded (`GOMP_parallel`, the entry point a C compiler emits for
+`#pragma omp parallel`): every thread of the team, the calling one included, takes the next share left (an atomic
+counter) until none is, all of it compiled, without the GIL. Items write disjoint output rows, so the result does
+not depend on the split: it is bit for bit the result of one thread.
+
+Why torch's team: after each of torch's parallel regions (and vLLM's CPU ops', which use the same libgomp) its
+idle workers spin for milliseconds before they sleep. A thread of fast's own beside them shares a core with a
+spinning worker; on 2 cores fast's two-thread call that followed one ran at about one thread's speed (decode 64 x
+1024, window 256: 7.14 ms at two threads, 6.92 at one, against 4.75 ms with no torch region before it). In the
+region, the spinning worker is the one that takes fast's shares, at once. Why compiled throughout: on this VM a
+thread that sleeps (on a lock, or waiting for the GIL) took milliseconds to be woken, and a pool of Python threads
+woke one each time it handed out a share or took the GIL back between shares.
 
 Why not Numba's `parallel=True` (prange), which the kernels used before:
 - Code loaded from Numba's disk cache was 2.6-3x slower than the code the same process compiles. A
   parallel function's cached object is the outer module, with the loop body linked in and optimised a
   second time; measured on decode 64 x 1024 (fp32, L2-resident blocks, one thread): 19-24 ms freshly
   compiled, 59-76 ms from the cache, with 2x the stack spills in the hot loop. A serial function's cached
-  code is the code it ran: 19 ms either way.
+  code is the code it ran: 19 ms either way. Here the kernel is called, not inlined, by the share loop.
 - Its threading layers: OpenMP (omppool) loads a second libgomp beside torch's, which stalls torch's parallel
   regions after a Numba call; workqueue aborts when two Python threads launch at once; TBB needs a wheel the
-  dynamic loader does not find. A pool of Python threads needs none of them.
+  dynamic loader does not find. torch's own libgomp needs none of them, and each Python thread that calls in
+  gets a team of its own (libgomp's pools are per calling thread).
 """
 
 from __future__ import annotations
 
+import ctypes
 import itertools
-import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from typing import Any, cast
 
+import llvmlite.binding as llvm
 import numpy as np
 import torch
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
-# a share of fewer query-head x key products (about 17 ns each at one thread) does not repay the hand-off to a
-# pool thread (tens of microseconds)
+# a share of fewer query-head x key products (about 17 ns each at one thread) does not repay the hand-off to
+# another thread (tens of microseconds)
 MIN_SHARE_COST = 1 << 15
 SHARES_PER_THREAD = 4  # shares a call is cut into per thread, so that a thread that starts late takes fewer
 # a share of more products is cut further: on a 2-core VM one thread may run at 0.8x the other's speed, and the
 # call waits for the last share (prefill 4 x 512 on 512 at 2 threads, shares of 20 ms: 15 ms idle at the end)
 MAX_SHARE_COST = 1 << 20
 
-_pool: ThreadPoolExecutor | None = None
-_pool_size = 0
-_pool_lock = threading.Lock()
+
+def _find_gomp_parallel() -> int | None:
+    """The address of GOMP_parallel in the OpenMP runtime torch loaded (libgomp; LLVM's and Intel's runtimes
+    export it too), or None when torch was built without OpenMP: fast's kernels then run on the calling thread."""
+    if not torch.backends.openmp.is_available():
+        return None
+    try:
+        return ctypes.cast(ctypes.CDLL(None).GOMP_parallel, ctypes.c_void_p).value
+    except AttributeError:  # a runtime loaded privately, not into the process's global symbols
+        return None
 
 
-def shares(costs: np.ndarray, threads: int) -> list[slice]:  # costs: [num_items] int64, the items' work
-    """Contiguous slices of the items of about equal summed cost: `threads` of them, fewer when there is too little
-    work (MIN_SHARE_COST per share), more when there is much (MAX_SHARE_COST), at most one per item."""
-    bounds = _share_bounds(costs, threads, MIN_SHARE_COST, MAX_SHARE_COST).tolist()
-    return [slice(a, b) for a, b in itertools.pairwise(bounds)]
+_GOMP_PARALLEL = _find_gomp_parallel()
+if _GOMP_PARALLEL is not None:  # the compiled region's call resolves to torch's runtime, cached code included
+    llvm.add_symbol("GOMP_parallel", _GOMP_PARALLEL)
+
+
+def team_threads() -> int:
+    """Threads a call's shares run on: torch's intra-op count, 1 where there is no OpenMP runtime to run them."""
+    return torch.get_num_threads() if _GOMP_PARALLEL is not None else 1
+
+
+def share_bounds(costs: np.ndarray, threads: int) -> np.ndarray:  # costs: [num_items] int64, the items' work
+    """[num_shares + 1] item indices: contiguous shares of the items of about equal summed cost, `threads` of them,
+    fewer when there is too little work (MIN_SHARE_COST per share), more when there is much (MAX_SHARE_COST), at
+    most one per item; share k is items [bounds[k], bounds[k + 1])."""
+    return _share_bounds(costs, threads, MIN_SHARE_COST, MAX_SHARE_COST)
+
+
+def run_shares(
+    kernel: Any, before: tuple[Any, ...], items: np.ndarray, after: tuple[Any, ...], costs: np.ndarray
+) -> None:
+    """kernel(*before, items[share], *after) for every share of the items (`costs`: [num_items] int64, their work),
+    `kernel` a compiled (njit) function; all are finished on return. At one thread (or one share) the kernel is
+    called once, on all the items, on this thread."""
+    threads = team_threads()
+    bounds = share_bounds(costs, threads * SHARES_PER_THREAD) if threads > 1 else None
+    if bounds is None or bounds.shape[0] <= 2:
+        kernel(*before, items, *after)
+        return
+    if not _run_team(min(threads, bounds.shape[0] - 1), bounds, kernel, items, before, after):
+        raise RuntimeError(f"fast.cpu.threads: a share of {kernel.__name__} failed on an OpenMP thread")
 
 
 @njit(cache=True, nogil=True)
 def _share_bounds(  # pragma: no cover - compiled
     costs: np.ndarray, threads: int, min_share_cost: int, max_share_cost: int
 ) -> np.ndarray:
-    """[num_shares + 1] item indices: share k is items [bounds[k], bounds[k + 1]), none empty (one, [0, 0), for
-    no items). Share k ends after the last item whose cumulative cost is within k / parts of the total: compiled
-    because this runs on every call, and NumPy's version cost 0.1 ms on a cold cache."""
+    """share_bounds' work (none empty; one, [0, 0), for no items). Share k ends after the last item whose
+    cumulative cost is within k / parts of the total: compiled because this runs on every call, and NumPy's
+    version cost 0.1 ms on a cold cache."""
     num_items = costs.shape[0]
     total = costs.sum()
     wanted = max(threads, (total + max_share_cost - 1) // max_share_cost)
@@ -75,69 +122,107 @@ def _share_bounds(  # pragma: no cover - compiled
     return bounds[: count + 1]
 
 
-def run_shares(work: Callable[[np.ndarray], None], items: np.ndarray, costs: np.ndarray) -> None:
-    """work(items[share]) for every share of the items (`costs`: [num_items], their work), handed out one at a
-    time to this thread and to the pool's; all are finished on return, and a share's error is raised here."""
-    threads = torch.get_num_threads()
-    if threads == 1:  # nobody to hand a share to: one call of the kernel
-        work(items)
-        return
-    call = _Call(work, items, shares(costs, threads * SHARES_PER_THREAD))
-    if len(call.parts) > 1:
-        pool = _executor(threads - 1)
-        for _ in range(min(threads, len(call.parts)) - 1):
-            pool.submit(call.run)
-    call.run()
-    call.wait()
+@njit(cache=True, nogil=True)
+def _run_team(  # pragma: no cover - compiled
+    threads: int,
+    bounds: np.ndarray,  # [num_shares + 1] int64 item indices (share_bounds)
+    kernel: Any,
+    items: np.ndarray,  # [num_items, ...] the kernel's work items
+    before: tuple[Any, ...],  # the kernel's arguments before its items
+    after: tuple[Any, ...],  # and after them
+) -> bool:
+    """Every share run once by a team of `threads` OpenMP threads; False when one of them raised."""
+    state = np.zeros(2, np.int64)  # [2]: the next share to take, then 1 once a share has failed
+    _parallel(threads, _take_shares, (state, bounds, kernel, items, before, after))
+    return state[1] == 0
 
 
-class _Call:
-    """One call's shares, handed out in order to whichever thread asks next.
-
-    A pool thread that wakes after the calling thread has taken the last share finds nothing left and
-    returns: the call waits only for shares that were taken. On this 2-core VM a sleeping thread took up
-    to milliseconds to wake, so with one share per thread fixed in advance a call waited for its latest
-    thread (decode 64 x 1024, window 256: no faster at two threads than at one).
-    """
-
-    def __init__(self, work: Callable[[np.ndarray], None], items: np.ndarray, parts: list[slice]) -> None:
-        self.work, self.items, self.parts = work, items, parts
-        self.taken = self.done = 0
-        self.error: BaseException | None = None
-        self.lock = threading.Lock()
-        self.finished = threading.Condition(self.lock)
-
-    def run(self) -> None:
-        while True:
-            with self.lock:
-                if self.taken == len(self.parts) or self.error is not None:
-                    return
-                part = self.parts[self.taken]
-                self.taken += 1
-            try:
-                self.work(self.items[part])
-            except BaseException as exc:
-                with self.lock:
-                    self.error = exc
-            finally:
-                with self.lock:
-                    self.done += 1
-                    self.finished.notify_all()
-
-    def wait(self) -> None:
-        with self.lock:
-            while self.done < self.taken:
-                self.finished.wait()
-        if self.error is not None:
-            raise self.error
+@njit(cache=True, nogil=True)
+def _take_shares(  # pragma: no cover - compiled
+    state: np.ndarray,  # [2] int64: the next share to take, a failure flag
+    bounds: np.ndarray,  # [num_shares + 1] int64
+    kernel: Any,
+    items: np.ndarray,
+    before: tuple[Any, ...],
+    after: tuple[Any, ...],
+) -> None:
+    """One team thread's part: the next share not yet taken, until none is left (a thread that joins late takes
+    fewer, or none). An error stops this thread's part: no exception can leave an OpenMP thread."""
+    while True:
+        k = fetch_add(state, 0, 1)
+        if k >= bounds.shape[0] - 1 or state[1] != 0:
+            return
+        share = items[bounds[k] : bounds[k + 1]]
+        try:
+            _call(kernel, before, share, after)
+        except Exception:  # reported to the caller through the flag
+            state[1] = 1
+            return
 
 
-def _executor(workers: int) -> ThreadPoolExecutor:
-    """The process's pool, grown to at least `workers` threads (a pool is never shrunk: idle threads sleep)."""
-    global _pool, _pool_size
-    with _pool_lock:
-        if _pool is None or _pool_size < workers:
-            old, _pool, _pool_size = _pool, ThreadPoolExecutor(max(1, workers), "slotmap-cpu"), max(1, workers)
-            if old is not None:
-                old.shutdown(wait=False)
-        return _pool
+@njit(cache=True, nogil=True)
+def _call(kernel: Any, before: tuple[Any, ...], share: np.ndarray, after: tuple[Any, ...]) -> None:  # pragma: no cover
+    kernel(*before, share, *after)  # apart from _take_shares: Numba cannot unpack arguments at a try's start
+
+
+_region_names = itertools.count()
+
+
+def _parallel_typer(typingctx: Any, threads: Any, body: Any, args: Any) -> Any:  # pragma: no cover - compiled
+    """body(*args) on each thread of an OpenMP team of `threads` (the calling thread one of them), returning when
+    all have: GOMP_parallel(region, &args, threads, 0), where region is a function this emits that loads the
+    arguments from the caller's frame and calls body. body must not raise (its status is not read)."""
+    if not isinstance(body, types.Dispatcher) or not isinstance(args, types.BaseTuple):
+        return None
+    call = body.get_call_type(typingctx, tuple(cast(Any, args)), {})  # compiles body for these argument types
+    if call is None:
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, llargs: Any) -> Any:
+        count, _, packed = llargs
+        module, byte_ptr, i32 = builder.module, ir.IntType(8).as_pointer(), ir.IntType(32)
+        packed_type = context.get_value_type(args)
+        region = ir.Function(
+            module, ir.FunctionType(ir.VoidType(), [byte_ptr]), f"slotmap_omp_region_{next(_region_names)}"
+        )
+        region.linkage = "internal"
+        rb = ir.IRBuilder(region.append_basic_block())
+        loaded = rb.load(rb.bitcast(region.args[0], packed_type.as_pointer()))
+        compiled = body.dispatcher.overloads[tuple(call.args)]
+        context.add_linking_libs([compiled.library])
+        callee = context.declare_function(module, compiled.fndesc)
+        # the arguments are borrowed from the caller's frame, which outlives the region: no reference counting
+        context.call_conv.call_function(rb, callee, compiled.fndesc.restype, compiled.fndesc.argtypes,
+                                        [rb.extract_value(loaded, i) for i in range(len(args))])  # fmt: skip
+        rb.ret_void()
+        frame = cgutils.alloca_once(builder, packed_type)
+        builder.store(packed, frame)
+        gomp = cgutils.get_or_insert_function(
+            module, ir.FunctionType(ir.VoidType(), [region.type, byte_ptr, i32, i32]), "GOMP_parallel"
+        )
+        builder.call(gomp, [region, builder.bitcast(frame, byte_ptr), builder.trunc(count, i32), ir.Constant(i32, 0)])
+        return context.get_dummy_value()
+
+    return types.none(threads, body, args), codegen
+
+
+_parallel = cast(Callable[..., Any], intrinsic(_parallel_typer))
+
+
+def _fetch_add_typer(typingctx: Any, array: Any, index: Any, value: Any) -> Any:  # pragma: no cover - compiled
+    """array[index] += value atomically (relaxed order: a counter, no data published by it); the old value."""
+    if not (isinstance(array, types.Array) and array.dtype == types.int64 and array.ndim == 1):
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, llargs: Any) -> Any:
+        view, at, amount = llargs
+        arr = context.make_array(sig.args[0])(context, builder, view)
+        at = context.cast(builder, at, sig.args[1], types.intp)
+        amount = context.cast(builder, amount, sig.args[2], types.int64)
+        ptr = cgutils.get_item_pointer(context, builder, sig.args[0], arr, [at])
+        return builder.atomic_rmw("add", ptr, amount, "monotonic")
+
+    return types.int64(array, index, value), codegen
+
+
+fetch_add = cast(Callable[..., int], intrinsic(_fetch_add_typer))
