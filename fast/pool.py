@@ -38,7 +38,7 @@ import torch
 
 from fast.batch import batch_order
 from fast.classify import Classifier
-from fast.drafts import store_drafts
+from fast.drafts import drafts_end, store_drafts
 from fast.fallback import Fallback
 from fast.feature import Placement
 from fast.graphs import CapturedGraphs, dispatch
@@ -127,7 +127,7 @@ class RequestStatePool:
         state, dev = self.state, self.dev
         longest = int(plan.prompt_lens.max()) if plan.prompt_lens.size else 0
         if plan.num_drafts is not None:  # drafts go past the known tokens: room for them too
-            longest = max(longest, int((plan.num_computed + plan.num_scheduled).max()))  # past each last draft
+            longest = max(longest, drafts_end(plan.num_computed, plan.num_scheduled))  # past each last draft
         dev.reserve_tokens(longest)
         writes = None if self.host_mode else step_writes(state, plan)  # needs the mirror as it was
         state.commit(plan)
