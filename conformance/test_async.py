@@ -420,6 +420,22 @@ def test_a_mamba_state_is_read_from_the_corrected_count(
     assert row.token_ids == (*PROMPT, 42, *accepted, 11) and row.num_computed_tokens == position + 1
 
 
+def test_a_mamba_record_is_prefilling_as_the_row_classes_are_whatever_the_verdict(backend: BackendHandle) -> None:
+    # "a" is sent at 8 before the verdict on its drafts; both were rejected, so it runs at 6: past its prompt of 5
+    # either way (drafts ride only on the chunk that ends a prompt). "b" is a new request, 3 of its 6 prompt tokens
+    # scheduled: prefilling. The mamba record's flag is the batch's row classes' (spec/classify.py), row by row.
+    pool = _hybrid_drafting_run(backend, [9])
+    chunk = NewRequest("b", (30, 31, 32, 33, 34, 35), ((6,), (25, 26)))  # writes entry (3 - 1) // 4: block 25
+    ahead = SchedulerOutput(new_requests=(chunk,), cached_requests=(CachedRequest("a", 8, ((5,), (24,))),),
+                            num_scheduled_tokens={"a": 1, "b": 3})  # fmt: skip
+    pool.apply(ahead)
+    batch = pool.prepare(ahead)
+    got = backend.batch_to_numpy(batch)
+    assert got["req_ids"] == ("a", "b") and got["is_prefilling"].tolist() == [False, True]
+    assert np.asarray(batch.row_classes.is_prefilling).tolist() == [False, True]
+    assert got["mamba_prev_state_indices"][1].tolist() == [21, -1]  # a: the state after position 5; b: none
+
+
 def test_a_mamba_step_sent_below_the_optimistic_count_is_refused(backend: BackendHandle) -> None:
     # As rule 4 checks windows: the state read is checked for every count a verdict may give. Sent at 7 with two
     # drafts unverified, the step runs at 5 if both were rejected, and the state after position 4 was overwritten

@@ -37,6 +37,10 @@ class Classifier:
         self._stats = np.zeros(4, np.int64)  # uniform, max_query_len, num_decodes, num_decode_tokens
         self._last: RowClasses | None = None
         self._last_key: tuple[int, ...] = ()
+        # the flags' two tensors over the buffer for _views_rows rows: kept while the row count holds (a drafting
+        # step's counts change from step to step, its rows seldom)
+        self._views: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._views_rows = -1
 
     def __call__(
         self,
@@ -48,15 +52,17 @@ class Classifier:
         n = num_scheduled.shape[0]
         if self._flags.shape[1] < n:
             self._flags = np.zeros((2, max(n, 2 * self._flags.shape[1])), np.bool_)
-            self._last_key = ()  # views over the old buffer are stale
+            self._last_key, self._views_rows = (), -1  # views over the old buffer are stale
         flags = self._flags[:, :n]
         _classify(num_scheduled, num_computed, prompt_lens, decode_query_len, flags, self._stats)
         uniform, longest, num_decodes, decode_tokens = self._stats.tolist()
         key = (n, decode_query_len, uniform, longest, num_decodes, decode_tokens)
         if key != self._last_key or self._last is None:
+            if n != self._views_rows or self._views is None:
+                self._views, self._views_rows = (torch.from_numpy(flags[0]), torch.from_numpy(flags[1])), n
             self._last = RowClasses(
-                is_prefilling=torch.from_numpy(flags[0]),
-                is_decode=torch.from_numpy(flags[1]),
+                is_prefilling=self._views[0],
+                is_decode=self._views[1],
                 decode_query_len=decode_query_len,
                 uniform_decode=bool(uniform),
                 max_query_len=longest,

@@ -4,8 +4,10 @@ apply writes each drafting request's drafts into the token storage just past its
 Triton as token ops of apply's one launch, fast/writes.py), as vLLM v1 writes spec tokens into
 token_ids_cpu, so prepare reads them as input ids like any other token. They are not known tokens:
 snapshot never shows them, and record_sampled's accepted tokens (or the next step's drafts) overwrite
-them. The plan holds the drafts in scheduler order; the batch and the sampler need them in batch order
-(SamplerFields).
+them. The plan holds the drafts in scheduler order; the batch and the sampler need them in batch order:
+`sampler_fields`, one compiled pass that writes the sampler's indices and the batch-order drafts into a batch's
+own buffers (host mode: fast/host_prepare.py, beside the batch's other arrays, wrapped with them), or
+SamplerFields' reused buffers, uploaded (Triton: fast/kernel_prepare.py).
 """
 
 from __future__ import annotations
@@ -19,6 +21,21 @@ from numba import njit
 from fast.runtime import upload
 from spec.state import StepPlan
 
+# What prepare knows of a drafting step's drafts: (num_drafts [n] int64 scheduler order, draft ids [d] scheduler
+# order, order [n] batch_idx -> scheduler index or None when the scheduler's order is the batch order)
+StepDrafts = tuple[np.ndarray, np.ndarray, "np.ndarray | None"]
+# the same in batch order, for record_sampled: (num_drafts [n] int64, draft ids [d] int64), views of reused buffers
+BatchDrafts = tuple[np.ndarray, np.ndarray]
+# the sampler's int32 fields, in the order sampler_fields writes them end to end (sizes32): the three of
+# [num_reqs] first, so their place depends on the batch's rows alone (host mode keeps their views while it holds)
+FIELDS32 = ("num_draft_tokens", "cu_num_draft_tokens", "bonus_logits_indices", "logits_indices",
+            "target_logits_indices")  # fmt: skip
+
+
+def sizes32(n: int, d: int) -> list[int]:
+    """The lengths of FIELDS32 for n batch rows and d drafts: [n], [n], [n], [n + d], [d] (4 n + 2 d in all)."""
+    return [n, n, n, n + d, d]
+
 
 def draft_columns(plan: StepPlan, num_drafts: np.ndarray) -> np.ndarray:
     """[n] scheduler order: the column where each request's drafts start, its known tokens after apply.
@@ -27,6 +44,19 @@ def draft_columns(plan: StepPlan, num_drafts: np.ndarray) -> np.ndarray:
     seq_len - num_drafts, read from the plan: a new request's row may still count a previous owner's tokens.
     """
     return plan.num_computed + plan.num_scheduled - num_drafts
+
+
+@njit(cache=True, nogil=True)
+def drafts_end(  # pragma: no cover - compiled; tested through the pool against spec
+    num_computed: np.ndarray,  # [n] int64 scheduler order
+    num_scheduled: np.ndarray,  # [n] int64 scheduler order
+) -> int:
+    """The token capacity a drafting step's rows need: the end of the furthest request's last draft (a drafting
+    step ends exactly there), in one pass where NumPy's sum and max are two dispatches."""
+    end = 0
+    for i in range(num_computed.shape[0]):
+        end = max(end, num_computed[i] + num_scheduled[i])
+    return end
 
 
 def store_drafts(token_ids: np.ndarray, plan: StepPlan, num_drafts: np.ndarray) -> None:
@@ -50,16 +80,14 @@ def _store_drafts(  # pragma: no cover - compiled; tested through the pool again
 
 
 class SamplerFields:
-    """A drafting step's sampler fields, built in one compiled pass into buffers the pool reuses.
-
-    spec.drafts.draft_logits is the definition; here the batch order, the logits rows and the draft ids
-    are written together, row by row, instead of a dozen NumPy calls over the step (each a few microseconds,
-    the larger part of a drafting step's prepare). As the batch's other arrays, the tensors handed out view
-    these buffers (on CPU) and are valid until the next prepare.
+    """Under Triton (fast/kernel_prepare.py): a drafting step's sampler fields, built by `sampler_fields` into
+    host buffers reused from step to step, then uploaded (under the interpreter, CPU tensors: views of them).
+    As the batch's other arrays, they are valid until the next prepare. Host mode writes the same fields into
+    the batch's own buffers instead (fast/host_prepare.py).
     """
 
     def __init__(self) -> None:
-        self._out32 = np.zeros(0, np.int32)  # logits | num_draft_tokens | cu_num_draft_tokens | target | bonus
+        self._out32 = np.zeros(0, np.int32)  # FIELDS32 end to end
         self._out64 = np.zeros(0, np.int64)  # draft_token_ids | num_drafts [num_reqs] (record_sampled's copy)
         self._cpu32, self._cpu64 = torch.from_numpy(self._out32), torch.from_numpy(self._out64)  # on CPU: views
         self._fields: dict[str, Any] = {}  # the last step's tensors
@@ -68,12 +96,11 @@ class SamplerFields:
     def build(
         self,
         cu_num_tokens: np.ndarray,  # [num_reqs] int64 batch order: each row's end in the flat tokens
-        num_drafts: np.ndarray,  # [num_reqs] int64 scheduler order
-        draft_ids: np.ndarray,  # [num_drafts] scheduler order
-        order: np.ndarray | None,  # [num_reqs] batch_idx -> scheduler index; None: the same order
+        drafts: StepDrafts,
         device: torch.device,
-    ) -> tuple[dict[str, Any], tuple[np.ndarray, np.ndarray]]:
-        """(the BatchInputs fields, (num_drafts [num_reqs] int64, draft ids [num_drafts] int64) in batch order)."""
+    ) -> tuple[dict[str, Any], BatchDrafts]:
+        """(the BatchInputs fields, the drafts in batch order)."""
+        num_drafts, draft_ids, order = drafts
         n, d = num_drafts.shape[0], draft_ids.shape[0]
         if self._out32.shape[0] < 4 * n + 2 * d or self._out64.shape[0] < n + d:
             self._out32 = np.zeros(2 * (4 * n + 2 * d), np.int32)
@@ -81,45 +108,45 @@ class SamplerFields:
             self._cpu32, self._cpu64 = torch.from_numpy(self._out32), torch.from_numpy(self._out64)
             self._key = None  # the views were of the old buffers
         out32, out64 = self._out32[: 4 * n + 2 * d], self._out64[: n + d]
-        _sampler_fields(cu_num_tokens, num_drafts, draft_ids, _IDENTITY if order is None else order, out32, out64)
+        sampler_fields(cu_num_tokens, num_drafts, draft_ids, IDENTITY if order is None else order, out32, out64)
         on_cpu = device.type == "cpu"
         if not on_cpu or (n, d) != self._key:  # on CPU the tensors view the buffers: same shape, same views
             packed32 = self._cpu32 if on_cpu else upload(out32, device)
             packed64 = self._cpu64 if on_cpu else upload(out64, device)
-            parts = packed32.split([n + d, n, n, d, n, packed32.shape[0] - (4 * n + 2 * d)])  # one call, six views
-            names = ("logits_indices", "num_draft_tokens", "cu_num_draft_tokens", "target_logits_indices",
-                     "bonus_logits_indices")  # fmt: skip
-            self._fields = dict(zip(names, parts, strict=False)) | {"draft_token_ids": packed64[:d]}
+            parts = packed32.split([*sizes32(n, d), packed32.shape[0] - (4 * n + 2 * d)])  # one call, six views
+            self._fields = dict(zip(FIELDS32, parts, strict=False)) | {"draft_token_ids": packed64[:d]}
             self._key = (n, d) if on_cpu else None
         return self._fields, (out64[d:], out64[:d])
 
 
-_IDENTITY = np.zeros(0, np.int64)
+IDENTITY = np.zeros(0, np.int64)  # sampler_fields' order for the scheduler's own
 
 
 @njit(cache=True, nogil=True)
-def _sampler_fields(  # pragma: no cover - compiled; tested through the pool against spec's draft_logits
+def sampler_fields(  # pragma: no cover - compiled; tested through the pool against spec's draft_logits
     cu_num_tokens: np.ndarray,  # [n] int64 batch order
     num_drafts: np.ndarray,  # [n] int64 scheduler order
     draft_ids: np.ndarray,  # [d] scheduler order
     order: np.ndarray,  # [n] int64 batch_idx -> scheduler index, or empty: the same order
-    out32: np.ndarray,  # [4n + 2d] int32 out: logits [n + d] | num_draft_tokens [n] | cu [n] | target [d] | bonus [n]
+    out32: np.ndarray,  # [4n + 2d] int32 out: num_draft_tokens [n] | cu [n] | bonus [n] | logits [n + d] | target [d]
     out64: np.ndarray,  # [n + d] int64 out: draft_token_ids [d] | num_drafts [n], batch order
 ) -> None:
+    """spec.drafts.draft_logits for every batch row, the batch order, the logits rows and the draft ids written
+    together, row by row (a dozen NumPy calls over the step cost more than the rest of a drafting prepare)."""
     n, d = num_drafts.shape[0], draft_ids.shape[0]
     first_draft = np.empty(n, np.int64)  # [n] scheduler order: where each request's drafts start in draft_ids
     total = 0
     for s in range(n):
         first_draft[s] = total
         total += num_drafts[s]
-    counts, cu, target, bonus = n + d, 2 * n + d, 3 * n + d, 3 * n + 2 * d
+    counts, cu, bonus, logits, target = 0, n, 2 * n, 3 * n, 4 * n + d
     logits_row = drafts_done = 0
     for b in range(n):
         s = order[b] if order.shape[0] else b
         k = num_drafts[s]
         end = cu_num_tokens[b]
         for j in range(k + 1):  # the row's last k + 1 tokens: its drafts' targets, then the bonus token
-            out32[logits_row + j] = end - (k + 1) + j
+            out32[logits + logits_row + j] = end - (k + 1) + j
         for j in range(k):
             out32[target + drafts_done + j] = logits_row + j
             out64[drafts_done + j] = draft_ids[first_draft[s] + j]

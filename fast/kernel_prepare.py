@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fast.drafts import BatchDrafts, SamplerFields, StepDrafts
 from fast.kernels.prepare import output_sizes, prepare_triton
 from fast.runtime import interpret, upload_into
 from fast.state import DeviceState
@@ -37,6 +38,7 @@ class DeviceBatch:
         size64, size32 = output_sizes(dev, rows, config.max_num_batched_tokens)
         self.out64 = torch.empty(size64, dtype=torch.int64, device=device)  # [(2 + G) T_max] token arrays
         self.out32 = torch.empty(size32, dtype=torch.int32, device=device)  # [R (2 + total_width)] request arrays
+        self._sampler = SamplerFields()  # a drafting step's sampler fields, built on the host (fast/drafts.py)
 
     def prepare(
         self,
@@ -47,8 +49,10 @@ class DeviceBatch:
         num_scheduled: np.ndarray,  # [num_reqs] int64 batch order
         cu_num_tokens: np.ndarray,  # [num_reqs] int64
         padded: int,
-        fields: dict[str, Any],  # more of the batch's fields (the sampler's, logits_indices included; async's); or {}
-    ) -> BatchInputs:
+        fields: dict[str, Any],  # more of the batch's fields (async's pending tokens, the row classes); or {}
+        drafts: StepDrafts | None,  # a drafting step's drafts; None: nobody drafts
+    ) -> tuple[BatchInputs, BatchDrafts | None]:
+        """(the batch, its drafts in batch order for record_sampled, or None)."""
         num_reqs = len(req_ids)
         num_tokens = int(cu_num_tokens[-1]) if num_reqs else 0
         size64, _ = output_sizes(dev, num_reqs, padded)
@@ -60,7 +64,11 @@ class DeviceBatch:
         with interpret(self.interpreted):
             out = prepare_triton(dev, batch_dev, num_reqs, num_tokens, padded, self.out64, self.out32)
         fields = {"logits_indices": out.logits_indices} | fields
-        return BatchInputs(
+        batch_drafts = None
+        if drafts is not None:  # the sampler's fields, logits_indices included, built on the host and uploaded
+            sampler, batch_drafts = self._sampler.build(cu_num_tokens, drafts, dev.device)
+            fields = fields | sampler
+        batch = BatchInputs(
             req_ids=req_ids,
             index_mapping=batch_dev[:num_reqs],
             num_scheduled_tokens=batch_dev[num_reqs : 2 * num_reqs],
@@ -74,3 +82,4 @@ class DeviceBatch:
             num_tokens_padded=padded,
             **fields,
         )
+        return batch, batch_drafts

@@ -52,8 +52,8 @@ def state_indices(
     config = dev.config
     steps: MambaSteps = batch_steps(plan.features[MAMBA], order)
     num_reqs = batch.num_reqs
-    packed = np.concatenate([steps.bases, steps.firsts, num_drafts, steps.is_prefilling]).astype(np.int64)
-    reads = upload(packed, dev.device).view(4, num_reqs)  # base | first | num_drafts | is_prefilling, one copy
+    packed = np.concatenate([steps.bases, steps.firsts, num_drafts]).astype(np.int64)
+    reads = upload(packed, dev.device).view(3, num_reqs)  # base | first | num_drafts, one copy
     # the step's counts on the device: seq_lens from its num_computed, corrected there (async rule 2)
     seq_lens, num_scheduled = batch.seq_lens, batch.num_scheduled_tokens
     written: list[torch.Tensor | None] = []
@@ -78,7 +78,8 @@ def state_indices(
     return StateIndices(
         mamba_state_indices=tuple(written),
         mamba_prev_state_indices=tuple(prevs),
-        is_prefilling=reads[3].to(torch.bool),
+        # the batch's row classes' flags (fast/classify.py, a CPU tensor over host memory), on the device
+        is_prefilling=batch.row_classes.is_prefilling.to(dev.device),
         num_accepted_tokens=accepted if keeps_speculative_states(config) else None,
     )
 
@@ -88,7 +89,7 @@ def _gather_host(
     index_mapping: torch.Tensor,  # [num_reqs] int32
     seq_lens: torch.Tensor,  # [num_reqs] int32, from the corrected count
     computed: torch.Tensor,  # [num_reqs] int64 num_computed, corrected: seq_lens - num_scheduled
-    reads: torch.Tensor,  # [4, num_reqs] int64: base | first | num_drafts | is_prefilling
+    reads: torch.Tensor,  # [3, num_reqs] int64: base | first | num_drafts
     block_size: int,
     num_speculative_blocks: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

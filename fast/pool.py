@@ -12,7 +12,7 @@ This file is the orchestration; each stage and mechanism has its own file:
   the device in one launch (fast/writes.py). fast/released.py keeps the validator's per-row cache.
 - prepare: the batch order on the host (fast/batch.py), then the arrays: fast/kernel_prepare.py (one
   launch) under Triton, fast/host_prepare.py in host mode. A drafting step adds the sampler's indices
-  (fast/drafts.py).
+  (fast/drafts.py), in host mode in the batch's own buffers beside its other arrays.
 - record_sampled: fast/sampled.py, spec's rules checked in one compiled pass.
 
 The mode is fixed when the pool is built (fast.runtime.use_triton at that moment):
@@ -38,7 +38,7 @@ import torch
 
 from fast.batch import batch_order
 from fast.classify import Classifier
-from fast.drafts import SamplerFields, store_drafts
+from fast.drafts import drafts_end, store_drafts
 from fast.fallback import Fallback
 from fast.feature import Placement
 from fast.graphs import CapturedGraphs, dispatch
@@ -88,7 +88,6 @@ class RequestStatePool:
         # the buffers batches are handed out in, reused from step to step: compiled loops over the mirror's
         # memory in host mode (fast/host_prepare.py), one launch into device buffers under Triton (kernel_prepare.py)
         self._batch_buffers = HostBatch() if self.host_mode else DeviceBatch(self.dev, self._interpret)
-        self._sampler = SamplerFields()  # a drafting step's sampler fields (fast/drafts.py)
         self._classify = Classifier()  # each step's row classes (fast/classify.py), in a reused buffer
         # the padded request rows of a batch prepared with graphs (fast/padding.py), reused from step to step
         self._padded_rows = PaddedRows(self.device, config.max_num_reqs + 1, self.host_mode)
@@ -128,7 +127,7 @@ class RequestStatePool:
         state, dev = self.state, self.dev
         longest = int(plan.prompt_lens.max()) if plan.prompt_lens.size else 0
         if plan.num_drafts is not None:  # drafts go past the known tokens: room for them too
-            longest = max(longest, int((plan.num_computed + plan.num_scheduled).max()))  # past each last draft
+            longest = max(longest, drafts_end(plan.num_computed, plan.num_scheduled))  # past each last draft
         dev.reserve_tokens(longest)
         writes = None if self.host_mode else step_writes(state, plan)  # needs the mirror as it was
         state.commit(plan)
@@ -174,16 +173,15 @@ class RequestStatePool:
         extra = {"row_classes": classes} if pads_rows or descriptor is None else {"row_classes": classes,
                                                                                   "descriptor": descriptor}  # fmt: skip
         fields = fields | extra if fields else extra
-        drafts = None
-        if plan.num_drafts is not None:  # input ids are right already (apply stored the drafts): add the indices
-            sampler, drafts = self._sampler.build(cu_num_tokens, plan.num_drafts, plan.draft_ids, order, self.device)
+        # input ids are right already (apply stored the drafts): a drafting step adds the sampler's indices
+        step_drafts = None if plan.num_drafts is None else (plan.num_drafts, plan.draft_ids, order)
+        batch, drafts = self._batch_buffers.prepare(
+            self.dev, self.state, req_ids, index_mapping, num_scheduled, cu_num_tokens, padded, fields, step_drafts
+        )
+        if drafts is not None:
             on_device = self.mode.placeholder_drafts(index_mapping, *drafts)  # rule 8: the drafter's ids, if so
             if on_device is not None:
-                sampler = sampler | {"draft_token_ids": on_device}
-            fields = fields | sampler if fields else sampler
-        batch = self._batch_buffers.prepare(
-            self.dev, self.state, req_ids, index_mapping, num_scheduled, cu_num_tokens, padded, fields
-        )
+                batch = new_batch(**(batch.__dict__ | {"draft_token_ids": on_device}))
         if self.features:  # the model kind's records of the batch (fast/feature.py)
             records = tuple(f.prepare(self.state, plan, batch, order) for f in self.features)
             batch = new_batch(**(batch.__dict__ | {"features": records}))

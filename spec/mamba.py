@@ -21,7 +21,8 @@ The rule, for a batch row with num_computed c, seq_len s = c + num_scheduled, k 
            positions s' - 1 - k' + i at columns w' + i, so the row reads column w' + a - 1, where
            a = c - (s' - 1 - k') is num_accepted_tokens (1 + the drafts kept; vLLM's preprocess_mamba reads
            `block_ids[prev_state_idx + num_accepted_tokens - 1]`). Without drafts a = 1: column (c - 1) // B.
-  is_prefilling: c < the request's prompt length (vLLM's `num_computed_tokens < prefill_len`).
+  is_prefilling: c < the request's prompt length (vLLM's `num_computed_tokens < prefill_len`): the batch's own
+         row_classes.is_prefilling (spec/classify.py), so the record and the graph dispatch read one flag.
 
 Under async scheduling (spec/async_steps.py) a step sent before the verdict on its row's last k' drafts carries
 the scheduler's optimistic c; the pool runs it at c - r (rule 2, r drafts rejected), and the read, num_accepted_tokens
@@ -96,22 +97,18 @@ class MambaRows:
     """
 
     def __init__(self, rows: int) -> None:
-        self.prompt_lens = np.zeros(rows, np.int64)  # [R] the request's prompt length
         self.last_num_scheduled = np.zeros(rows, np.int64)  # [R] tokens of the row's last step
         self.last_num_drafts = np.zeros(rows, np.int64)  # [R] drafts of the row's last step
 
     def commit(
         self,
         freed_rows: np.ndarray,  # [f] req_state_idx
-        new_rows: np.ndarray,  # [k] req_state_idx of the new requests
-        prompt_lens: np.ndarray,  # [k]
         rows: np.ndarray,  # [n] scheduler order -> req_state_idx
         num_scheduled: np.ndarray,  # [n] scheduler order
         num_drafts: np.ndarray | None,  # [n] scheduler order; None: nobody drafts
     ) -> None:
-        for array in (self.prompt_lens, self.last_num_scheduled, self.last_num_drafts):
+        for array in (self.last_num_scheduled, self.last_num_drafts):
             array[freed_rows] = 0  # the next owner of a row starts from nothing (vLLM PR #37728)
-        self.prompt_lens[new_rows] = prompt_lens
         self.last_num_scheduled[rows] = num_scheduled
         self.last_num_drafts[rows] = 0 if num_drafts is None else num_drafts
 
@@ -131,7 +128,6 @@ class StateRead:
     base: int  # position whose block's column is the read column's base: c - 1 fresh, s' - 1 continuing; -1: none
     first: int  # position whose state the base column holds: c - 1 fresh, s' - 1 - k' continuing
     lowest: int  # the lowest num_computed a verdict may give the step (async rule 4's start); c where exact
-    prompt_len: int
     missing: str | None  # why the state after position c - 1 may never have been stored (check 11), else None
 
     def column(self, block_size: int, num_computed: int) -> int:
@@ -142,7 +138,6 @@ class StateRead:
 def state_read(
     num_computed: int,
     lowest: int,
-    prompt_len: int,
     fresh: bool,
     last_seq_len: int,
     last_num_drafts: int,
@@ -159,14 +154,14 @@ def state_read(
     c = num_computed
     if fresh:
         missing = None if c % min_block == 0 else f"{c} computed: a cached state covers whole blocks of {min_block}"
-        return StateRead(c - 1, c - 1, c, prompt_len, missing)
+        return StateRead(c - 1, c - 1, c, missing)
     first_stored = last_seq_len - 1 - last_num_drafts  # the states after positions first_stored .. last_seq_len - 1
     missing = None
     if not (lowest - first_stored >= 1 and c - first_stored <= 1 + last_num_drafts):
         stored = f"{first_stored}..{last_seq_len - 1}"
         verdict = "" if lowest == c else f" ({lowest} if the unread verdict rejects its {c - lowest} drafts)"
         missing = f"{c} computed{verdict}, but the last step stored the states after positions {stored} only"
-    return StateRead(last_seq_len - 1, first_stored, lowest, prompt_len, missing)
+    return StateRead(last_seq_len - 1, first_stored, lowest, missing)
 
 
 def write_column(num_computed: int, num_scheduled: int, block_size: int) -> int:
@@ -240,17 +235,13 @@ class MambaSteps:
 
     bases: np.ndarray  # [n] int64 scheduler order: StateRead.base
     firsts: np.ndarray  # [n] int64 scheduler order: StateRead.first (num_accepted_tokens = num_computed - first)
-    # [n] bool scheduler order; the same for the count sent and the corrected one: a row with unverified drafts
-    # sampled, so both counts are past its prompt
-    is_prefilling: np.ndarray
 
 
-def plan_fields(reads: list[StateRead], num_computed: np.ndarray) -> MambaSteps:
-    """`reads` and `num_computed` [n] in scheduler order."""
+def plan_fields(reads: list[StateRead]) -> MambaSteps:
+    """`reads` in scheduler order."""
     return MambaSteps(
         bases=np.array([r.base for r in reads], np.int64),
         firsts=np.array([r.first for r in reads], np.int64),
-        is_prefilling=num_computed < np.array([r.prompt_len for r in reads], np.int64),
     )
 
 
@@ -264,7 +255,7 @@ class StateIndices:
     # the row's drafts
     mamba_state_indices: Any
     mamba_prev_state_indices: Any  # per group as above: [num_reqs] int32, the state block the row starts from, or -1
-    is_prefilling: Any  # [num_reqs] bool, num_computed_tokens < the request's prompt length (vLLM's)
+    is_prefilling: Any  # [num_reqs] bool, num_computed_tokens < the request's prompt length: the batch's row classes'
     # [num_reqs] int32, tokens of the row's previous step whose state is kept (1 + its accepted drafts; 1 for a row
     # fresh or without drafts); None unless a mamba group keeps speculative blocks (vLLM's, with drafts)
     num_accepted_tokens: Any
@@ -278,6 +269,9 @@ def state_indices(
     num_computed: np.ndarray,  # [num_reqs] batch order: the count the step runs at (async: corrected, rule 2)
     num_drafts: np.ndarray,  # [num_reqs] batch order
     steps: MambaSteps,  # arrays in batch order (`batch_steps`)
+    # [num_reqs] bool the batch's row_classes.is_prefilling (spec/classify.py); the same for the count sent and the
+    # corrected one (async): a row with unverified drafts sampled, so both counts are past its prompt
+    is_prefilling: np.ndarray,
 ) -> StateIndices:
     writes: list[np.ndarray | None] = []
     prevs: list[np.ndarray | None] = []
@@ -298,14 +292,14 @@ def state_indices(
         read = np.where(has_prior, steps.bases // group.block_size + accepted - 1, 0)  # [num_reqs]
         prevs.append(np.where(has_prior, table[index_mapping, read], NO_STATE).astype(INDEX_DTYPE))
     kept = accepted.astype(INDEX_DTYPE) if keeps_speculative_states(config) else None
-    return StateIndices(tuple(writes), tuple(prevs), steps.is_prefilling.copy(), kept)
+    return StateIndices(tuple(writes), tuple(prevs), np.array(is_prefilling, np.bool_), kept)
 
 
 def batch_steps(steps: MambaSteps, order: np.ndarray | None) -> MambaSteps:
     """The plan's arrays in batch order (`order` [num_reqs] batch_idx -> scheduler index; None: the same)."""
     if order is None:
         return steps
-    return MambaSteps(steps.bases[order], steps.firsts[order], steps.is_prefilling[order])
+    return MambaSteps(steps.bases[order], steps.firsts[order])
 
 
 class Mamba(Feature):
@@ -337,20 +331,18 @@ class Mamba(Feature):
             c = s.num_computed
             row = state.row_of.get(s.req_id)
             if row is None:  # a new request (check 3): its known tokens are its prompt; the row's record is not its own
-                self.reads[s.req_id] = state_read(c, c, s.known_tokens, True, 0, 0, self.min_block)
+                self.reads[s.req_id] = state_read(c, c, True, 0, 0, self.min_block)
                 continue
             last = rows.last_seq_len(state, row), int(rows.last_num_drafts[row])
             fresh = s.fresh_tables
             lowest = lowest_start(state, s.req_id, c, s.resumed)  # rule 2 corrects no fresh row's count
-            prompt_len = int(rows.prompt_lens[row])
-            self.reads[s.req_id] = state_read(c, lowest, prompt_len, fresh, *last, self.min_block)
+            self.reads[s.req_id] = state_read(c, lowest, fresh, *last, self.min_block)
 
     def plan(self, state: PoolState, sched: SchedulerOutput, new_rows: np.ndarray, plan: StepPlan) -> MambaSteps:
-        return plan_fields([self.reads[r] for r in plan.req_ids], plan.num_computed)  # scheduler order
+        return plan_fields([self.reads[r] for r in plan.req_ids])  # scheduler order
 
     def commit(self, state: PoolState, plan: StepPlan) -> None:
-        self.rows.commit(plan.freed_rows, plan.new_rows, plan.prompt_lens, plan.rows, plan.num_scheduled,
-                         plan.num_drafts)  # fmt: skip
+        self.rows.commit(plan.freed_rows, plan.rows, plan.num_scheduled, plan.num_drafts)
 
     def prepare(self, state: PoolState, plan: StepPlan, batch: BatchInputs, order: np.ndarray | None) -> StateIndices:
         steps: MambaSteps = plan.features[self.name]
@@ -366,6 +358,7 @@ class Mamba(Feature):
             num_computed,
             in_batch_order(drafts, order),
             batch_steps(steps, order),
+            batch.row_classes.is_prefilling,
         )
 
     def pad(self, record: StateIndices, num_reqs_padded: int, pad_rows: Callable[[str, Any, int, Any], Any]) -> Any:
