@@ -14,6 +14,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any, TypeVar
 
+import numpy as np
+
 from spec.types import CachedRequest, CachedRequestColumns, NewRequest, SchedulerOutput
 
 T = TypeVar("T")
@@ -248,7 +250,8 @@ def _new_block_ids_not_per_group(
     cached = rng.choice(tuple(out.cached_requests))
     groups = tuple(cached.new_block_ids or ())  # () for None: then only a non-sequence is surely wrong
     miscounted = ((*groups, ()), groups[:-1]) if groups else ()  # one group too many or too few
-    disguise = rng.choice((7, dict(enumerate(groups)), *miscounted))
+    # an array (its truth ambiguous) where a tuple of per-group ids belongs
+    disguise = rng.choice((7, dict(enumerate(groups)), np.array([7, 8]), *miscounted))
     return _with_request(out, edit(cached, new_block_ids=disguise))
 
 

@@ -245,6 +245,12 @@ MALFORMED: dict[str, tuple[str, str | None, str, Callable[[], SchedulerOutput]]]
         lambda: AnyOutput(cached_requests=(AnyCached("a", 6),), num_scheduled_tokens={"a": 1, b"a": 1})),
     "new block ids for one group of two": ("new block ids not per group", "a", "new_block_ids",
         lambda: AnyOutput(cached_requests=(AnyCached("a", 6, ((45,),)),), num_scheduled_tokens={"a": 1})),
+    # an array's truth is ambiguous: a reader that tests an entry's truth, or compares it with None, must not raise
+    "new block ids as an array": ("new block ids not per group", "a", "new_block_ids",
+        lambda: AnyOutput(cached_requests=(AnyCached("a", 6, np.array([45, 46])),), num_scheduled_tokens={"a": 1})),
+    "a column of new block ids holding an array": ("new block ids not per group", "a", "new_block_ids",
+        lambda: AnyOutput(cached_requests=AnyColumns(["a"], [6], [np.array([45, 46])]),
+                          num_scheduled_tokens={"a": 1})),
     "a column one short": ("columns of unequal length", None, "cached_requests.num_computed_tokens",
         lambda: AnyOutput(cached_requests=CachedRequestColumns(["a", "b"], [6]),
                           num_scheduled_tokens={"a": 1, "b": 1})),

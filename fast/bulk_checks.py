@@ -6,10 +6,13 @@ then, raises the exact error. The invariants they rely on are listed in fast/val
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 from numba import njit
 
 from fast.bulk_read import EMPTY, ids_in_range, joined_ids
+from fast.records import record_maker
 from spec.state import PoolState, StepPlan, TableWrites
 from spec.types import NULL_BLOCK_ID, NewRequest
 
@@ -55,6 +58,16 @@ NO_NEW: tuple[np.ndarray, np.ndarray, np.ndarray, list[TableWrites], list[np.nda
     [],
     [],
 )
+new_table_writes = record_maker(TableWrites)
+
+
+@functools.lru_cache(maxsize=64)
+def _new_table_flags(k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(starts [k] zeros, replaced [k] all True) of k new tables, read-only: shared by every step of k new requests
+    (two allocations a step, and a group, fewer)."""
+    starts, replaced = np.zeros(k, np.int64), np.ones(k, bool)
+    starts.flags.writeable = replaced.flags.writeable = False
+    return starts, replaced
 
 
 def check_new_requests(
@@ -68,53 +81,57 @@ def check_new_requests(
     caller) and the physical blocks their tokens write."""
     config = state.config
     k, num_groups = len(new), len(config.kv_groups)
-    fields = [(r.prompt_token_ids, r.block_ids, r.num_computed_tokens) for r in new]
-    prompts, tables, computed_in = zip(*fields, strict=True)
+    computed_in = [r.num_computed_tokens for r in new]
+    tables = [r.block_ids for r in new]
     if set(map(type, computed_in)) != {int} or set(map(type, tables)) - {tuple, list}:
-        return None
-    joined = joined_ids(prompts, "i", long=True)  # int32 storage: past int32 is past any vocabulary
-    if joined is None:
-        return None
-    prompt_lens, tokens = joined
-    if not ids_in_range(tokens, config.vocab_size):
         return None
     if list(map(len, tables)).count(num_groups) != k:
         return None
+    joined = joined_ids([r.prompt_token_ids for r in new], "i", long=True)  # int32: past it is past any vocabulary
+    if joined is None:
+        return None
+    prompt_lens, tokens = joined
     num_computed = np.array(computed_in, np.int64)
     last = np.empty(k, np.int64)  # [k] last position written
     drafts = EMPTY if num_drafts is None else num_drafts
-    if not _new_progress(prompt_lens, num_computed, num_scheduled, drafts, config.max_model_len, last):
+    if not _new_progress(prompt_lens, tokens, config.vocab_size, num_computed, num_scheduled, drafts,
+                         config.max_model_len, last):  # fmt: skip
         return None
+    starts, replaced = _new_table_flags(k)
     writes, written = [], []
     for g, group in enumerate(config.kv_groups):
         joined = joined_ids([table[g] for table in tables], "q")
         if joined is None:
             return None
         lengths, ids = joined
-        out = np.empty(_blocks_written(num_computed, last, group.block_size), np.int64)
-        ok = _check_new_tables(
+        out = _check_new_tables(
             lengths, ids, num_computed, last, group.num_blocks, config.max_blocks_per_req(g), group.block_size,
-            group.sliding_window or 0, out,
+            group.sliding_window or 0,
         )  # fmt: skip
-        if not ok:
+        if not out.size:  # every new request writes a block: none written is a failed check
             return None
         written.append(out)
-        writes.append(TableWrites(EMPTY, np.zeros(k, np.int64), lengths, ids, np.ones(k, bool)))
+        writes.append(new_table_writes(rows=EMPTY, starts=starts, lengths=lengths, ids=ids, replaced=replaced))
     return num_computed, prompt_lens, tokens, writes, written
 
 
 @njit(cache=True, nogil=True)
 def _new_progress(  # pragma: no cover - compiled; tested through plan_bulk_step against plan_step
     prompt_lens: np.ndarray,  # [k] int64
+    tokens: np.ndarray,  # [sum(prompt_lens)] int32 the prompts end to end
+    vocab_size: int,
     num_computed: np.ndarray,  # [k] int64 as the scheduler says
     num_scheduled: np.ndarray,  # [k] int64 >= 1
     num_drafts: np.ndarray,  # [k] int64 drafts of each, or empty: nobody drafts
     max_model_len: int,
     last: np.ndarray,  # [k] int64 out: last position each writes
 ) -> bool:
-    """Checks 1, 7 and 8 of the new requests: prompts within max_model_len, num_computed >= 0, every position
-    written a prompt token or one of the request's drafts, which follow its prompt (a drafting request's step ends
-    at its last draft, within max_model_len, and holds at least its drafts and one token before them)."""
+    """Checks 6, 1, 7 and 8 of the new requests: prompt tokens in the vocabulary, prompts within max_model_len,
+    num_computed >= 0, every position written a prompt token or one of the request's drafts, which follow its
+    prompt (a drafting request's step ends at its last draft, within max_model_len, and holds at least its drafts
+    and one token before them)."""
+    if not ids_in_range(tokens, vocab_size):
+        return False
     for i in range(prompt_lens.shape[0]):
         last[i] = num_computed[i] + num_scheduled[i] - 1
         k = num_drafts[i] if num_drafts.shape[0] else 0
@@ -136,28 +153,30 @@ def _check_new_tables(  # pragma: no cover - compiled; tested through plan_bulk_
     max_blocks: int,  # max_blocks_per_req of the group
     block_size: int,
     window: int,  # sliding window, 0 for none
-    written: np.ndarray,  # [w] int64 out: the physical block of every (request, block) the step writes
-) -> bool:
-    """Checks 9-12 for one group's new tables, one pass; False at the first failure (plan_step names it)."""
+) -> np.ndarray:
+    """Checks 9-12 for one group's new tables, one pass. Returns [w] int64 the physical block of every (request,
+    block) the step writes, or an empty array at the first failure (plan_step names it)."""
+    failed = np.zeros(0, np.int64)
+    written = np.empty(_blocks_written(num_computed, last, block_size), np.int64)
     start, w = 0, 0
     for i in range(lengths.shape[0]):
         table = ids[start : start + lengths[i]]
         start += lengths[i]
         if table.shape[0] > max_blocks or last[i] // block_size >= table.shape[0]:
-            return False  # too many blocks, or a missing one
+            return failed  # too many blocks, or a missing one
         for block in table:
             if block < 0 or block >= num_blocks or (block == 0 and window == 0):
-                return False  # out of range, or the null block outside a sliding-window group
+                return failed  # out of range, or the null block outside a sliding-window group
         read_from = 0 if window == 0 else max(0, num_computed[i] - window + 1) // block_size
         for e in range(read_from, last[i] // block_size + 1):
             if table[e] == 0:
-                return False  # a token would read or write through the null block
+                return failed  # a token would read or write through the null block
         if has_repeats(table[read_from:], NULL_BLOCK_ID):
-            return False  # a block twice among the entries not released by the window
+            return failed  # a block twice among the entries not released by the window
         for e in range(num_computed[i] // block_size, last[i] // block_size + 1):
             written[w] = table[e]
             w += 1
-    return True
+    return written
 
 
 def check_group(
@@ -181,7 +200,8 @@ def check_group(
     )  # fmt: skip
     if not ok:
         return None
-    return TableWrites(rows[app_req], app_counts, lengths, ids, np.zeros(app_req.size, bool)), written
+    replaced = np.zeros(app_req.size, bool)
+    return new_table_writes(rows=rows[app_req], starts=app_counts, lengths=lengths, ids=ids, replaced=replaced), written
 
 
 _NO_TAILS = np.zeros(0, np.int64)
@@ -261,14 +281,33 @@ def _blocks_written(num_computed: np.ndarray, last: np.ndarray, block_size: int)
 def merge(new_rows: np.ndarray, new: TableWrites, cached: TableWrites) -> TableWrites:
     """The new requests' table writes (rows filled in) followed by the cached requests' appends."""
     if not cached.rows.size:  # nobody appends (every prefill-only step): the new requests' writes as they are
-        return TableWrites(new_rows, new.starts, new.lengths, new.ids, new.replaced)
-    return TableWrites(
-        rows=np.concatenate([new_rows, cached.rows]),
-        starts=np.concatenate([new.starts, cached.starts]),
-        lengths=np.concatenate([new.lengths, cached.lengths]),
-        ids=np.concatenate([new.ids, cached.ids]),
-        replaced=np.concatenate([new.replaced, cached.replaced]),
-    )
+        return new_table_writes(rows=new_rows, starts=new.starts, lengths=new.lengths, ids=new.ids,
+                                replaced=new.replaced)  # fmt: skip
+    rows, starts, lengths, ids, replaced = _joined_writes(new_rows, new.lengths, new.ids, cached.rows, cached.starts,
+                                                          cached.lengths, cached.ids)  # fmt: skip
+    return new_table_writes(rows=rows, starts=starts, lengths=lengths, ids=ids, replaced=replaced)
+
+
+@njit(cache=True, nogil=True)
+def _joined_writes(  # pragma: no cover - compiled; tested through plan_bulk_step against plan_step
+    new_rows: np.ndarray,  # [k] int64 req_state_idx of the new requests: their whole tables, from entry 0
+    new_lengths: np.ndarray,  # [k] int64
+    new_ids: np.ndarray,  # [sum(new_lengths)] int64
+    rows: np.ndarray,  # [a] int64 req_state_idx of the appending requests
+    starts: np.ndarray,  # [a] int64 their filled entries
+    lengths: np.ndarray,  # [a] int64
+    ids: np.ndarray,  # [sum(lengths)] int64
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """TableWrites' five arrays for the new tables then the appends: one call where five concatenations were five."""
+    k, a = new_rows.shape[0], rows.shape[0]
+    out_rows, out_starts, out_lengths = np.empty(k + a, np.int64), np.zeros(k + a, np.int64), np.empty(k + a, np.int64)
+    out_ids, replaced = np.empty(new_ids.shape[0] + ids.shape[0], np.int64), np.zeros(k + a, np.bool_)
+    out_rows[:k], out_rows[k:] = new_rows, rows
+    out_starts[k:] = starts
+    out_lengths[:k], out_lengths[k:] = new_lengths, lengths
+    out_ids[: new_ids.shape[0]], out_ids[new_ids.shape[0] :] = new_ids, ids
+    replaced[:k] = True
+    return out_rows, out_starts, out_lengths, out_ids, replaced
 
 
 @njit(cache=True, nogil=True)

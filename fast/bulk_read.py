@@ -10,8 +10,8 @@ then decides the step.
 from __future__ import annotations
 
 from array import array
-from itertools import chain
-from typing import Any
+from itertools import chain, compress
+from typing import Any, cast
 
 import numpy as np
 from numba import njit
@@ -165,21 +165,38 @@ class RowMemo:
 
     def freed(self, rows: np.ndarray) -> None:
         """A commit freed `rows` [f] req_state_idx: a remembered request among them may come back elsewhere."""
-        if self.req_ids is not None and self._held[rows].any():
+        if self.req_ids is not None and _any_at(self._held, rows):
             self._held[self.rows] = False
             self.req_ids, self.rows = None, EMPTY
 
 
+@njit(cache=True, nogil=True)
+def _any_at(flags: np.ndarray, at: np.ndarray) -> bool:  # pragma: no cover - compiled
+    """flags[at].any() for a few indices [f], without the gathered copy."""
+    for i in range(at.shape[0]):  # noqa: SIM110 - a loop Numba compiles (no generators)
+        if flags[at[i]]:
+            return True
+    return False
+
+
 def rows_of_new(
-    state: PoolState, finished: frozenset[str] | set[str], new_ids: list[str], scheduled: list[str]
+    state: PoolState,
+    finished: frozenset[str] | set[str],
+    new_ids: list[str],
+    scheduled: dict[str, int],  # sched.num_scheduled_tokens
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """Checks 1-4 for finished and new requests: (freed rows ascending, the row of each new request)."""
     row_of = state.row_of
-    if finished and (not finished.isdisjoint(scheduled) or not all(type(r) is str and r in row_of for r in finished)):
+    freed: list[int] = []
+    if finished:  # each a known request (a str: other keys are plan_step's to name) that is not scheduled again
+        if set(map(type, finished)) != {str} or any(map(scheduled.__contains__, finished)):
+            return None
+        found = list(map(row_of.get, finished))
+        if None in found:
+            return None
+        freed = sorted(cast(list[int], found))  # no None left
+    if not row_of.keys().isdisjoint(new_ids):
         return None
-    if any(r in row_of for r in new_ids):
-        return None
-    freed = sorted(row_of[r] for r in finished)
     # the lowest rows free once the finished requests leave, in the order the new requests come: the k lowest of the
     # finished rows and the k lowest empty ones (list.index finds each at C speed, where a Python scan of the rows
     # before them cost a mixed step of 256 running requests more than the rest of this function)
@@ -225,9 +242,20 @@ def appended_ids(
     num_groups: int,
 ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]] | None:
     """Per group: (request index [a], lengths [a] >= 1, ids [sum]) of the cached requests appending to it."""
-    if new_blocks is None or new_blocks.count(None) == n:
+    if new_blocks is None:
         return [(EMPTY, EMPTY, EMPTY)] * num_groups
-    appending = [i for i, ids in enumerate(new_blocks) if ids is not None]
+    # the requests whose entry is truthy (compress: a C loop where a comprehension over n cost more than the rest);
+    # a falsy entry other than None (an empty tuple) is no group's ids, and an entry whose truth or equality with
+    # None raises (an array) is not a tuple: both are left to plan_step, which names them
+    try:
+        num_none = new_blocks.count(None)
+        if num_none == n:
+            return [(EMPTY, EMPTY, EMPTY)] * num_groups
+        appending = list(compress(range(n), new_blocks))
+    except (ValueError, TypeError):
+        return None
+    if len(appending) + num_none != n:
+        return None
     per_request = [new_blocks[i] for i in appending]
     if set(map(type, per_request)) - {tuple, list} or list(map(len, per_request)).count(num_groups) != len(appending):
         return None

@@ -41,7 +41,7 @@ from fast.classify import Classifier
 from fast.drafts import drafts_end, store_drafts
 from fast.fallback import Fallback
 from fast.feature import Placement
-from fast.graphs import CapturedGraphs, dispatch
+from fast.graphs import CapturedGraphs, Dispatcher
 from fast.host_prepare import HostBatch
 from fast.kernel_prepare import DeviceBatch
 from fast.model_kinds import fast_features_for
@@ -89,6 +89,7 @@ class RequestStatePool:
         # memory in host mode (fast/host_prepare.py), one launch into device buffers under Triton (kernel_prepare.py)
         self._batch_buffers = HostBatch() if self.host_mode else DeviceBatch(self.dev, self._interpret)
         self._classify = Classifier()  # each step's row classes (fast/classify.py), in a reused buffer
+        self._dispatch = Dispatcher()  # each step's graph (fast/graphs.py), the last answer kept
         # the padded request rows of a batch prepared with graphs (fast/padding.py), reused from step to step
         self._padded_rows = PaddedRows(self.device, config.max_num_reqs + 1, self.host_mode)
         self._applied: SchedulerOutput | None = None
@@ -125,7 +126,7 @@ class RequestStatePool:
     def _commit(self, plan: StepPlan) -> None:
         """spec's commit to the host mirror (in host mode, the device state itself), then the device in one launch."""
         state, dev = self.state, self.dev
-        longest = int(plan.prompt_lens.max()) if plan.prompt_lens.size else 0
+        longest = max(plan.prompt_lens.tolist(), default=0)  # a few prompts: NumPy's max costs more than the list
         if plan.num_drafts is not None:  # drafts go past the known tokens: room for them too
             longest = max(longest, drafts_end(plan.num_computed, plan.num_scheduled))  # past each last draft
         dev.reserve_tokens(longest)
@@ -162,7 +163,7 @@ class RequestStatePool:
         seq_lens = computed + num_scheduled
         decode_query_len = step_decode_query_len(plan.num_drafts) if graphs is None else graphs.uniform_decode_query_len
         classes = self._classify(num_scheduled, computed, self.state.prompt_lens[index_mapping], decode_query_len)
-        descriptor = None if graphs is None else dispatch(graphs, num_tokens, len(req_ids), classes)
+        descriptor = None if graphs is None else self._dispatch(graphs, num_tokens, len(req_ids), classes)
         padded = padded_tokens(pad_to, num_tokens) if descriptor is None else descriptor.num_tokens
         # fields beyond the plain batch's: a drafting step's sampler indices, async scheduling's pending tokens
         fields: dict[str, Any] = self.mode.batch_fields(

@@ -132,7 +132,7 @@ def plan_bulk_step(
     if num_computed.ndim != 1:
         return Fallback.UNKNOWN_REQUEST
     if finished or num_new:
-        freed_new = rows_of_new(state, finished, new_ids, keys)
+        freed_new = rows_of_new(state, finished, new_ids, scheduled)
         if freed_new is None:
             return Fallback.ROWS
         freed_rows, new_rows = freed_new

@@ -103,6 +103,29 @@ def test_dispatch_past_the_largest_graph_and_past_max_num_reqs_runs_eager() -> N
     assert dispatch(CapturedGraphs((8,), max_num_reqs=2, mode="FULL"), 7, 3, three).mode == "NONE"
 
 
+def test_fasts_dispatcher_answers_each_question_by_its_own_counts_graphs_and_classes() -> None:
+    """fast's Dispatcher keeps the last answer: a question differing in any one part gets that question's answer
+    (the expected descriptors are the hand-worked ones of the tests above)."""
+    full = CapturedGraphs(SIZES, max_num_reqs=4, mode="FULL")
+    mixed = CapturedGraphs(SIZES, max_num_reqs=4, mode="FULL_DECODE_ONLY")
+    nine = _classes([9], [0], [9], 1)
+    ask = fast.graphs.Dispatcher()
+    questions = [
+        (full, 3, 3, UNIFORM3, BatchDescriptor("FULL", 4, 4, False, 1)),
+        (full, 3, 3, UNIFORM3, BatchDescriptor("FULL", 4, 4, False, 1)),  # asked again: the same answer
+        (mixed, 3, 3, UNIFORM3, BatchDescriptor("FULL", 4, 4, True, 1)),  # other graphs, equal counts and classes
+        (mixed, 3, 2, MIXED3, BatchDescriptor("NONE", 3, 2, False, 2)),  # other classes and rows
+        (mixed, 3, 2, UNIFORM3, BatchDescriptor("FULL", 4, 4, True, 1)),  # other classes alone
+        (full, 9, 1, nine, BatchDescriptor("NONE", 9, 1, False, 9)),
+        (full, 9, 1, nine, BatchDescriptor("NONE", 9, 1, False, 9)),
+        (full, 8, 1, nine, BatchDescriptor("FULL", 8, 4, False, 9)),  # the same classes object, fewer tokens
+        (full, 8, 5, nine, BatchDescriptor("NONE", 8, 5, False, 9)),  # more rows than the FULL graph of 8 holds
+    ]
+    for graphs, num_tokens, num_reqs, classes, want in questions:
+        assert ask(graphs, num_tokens, num_reqs, classes) == want, (graphs.mode, num_tokens, num_reqs)
+        assert dispatch(graphs, num_tokens, num_reqs, classes) == want
+
+
 def test_dispatch_uniform_with_drafts_pads_rows_to_tokens_over_one_plus_k() -> None:
     # uq = 2; sizes 2, 3, 4, 8: size 3 is no uniform-decode graph (2 does not divide it), so 2 rows of 2 tokens pad
     # to size 4 = 2 rows exactly; one row of 2 tokens fits size 2 = 1 row
