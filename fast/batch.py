@@ -16,17 +16,17 @@ def batch_order(
     num_scheduled_np: np.ndarray,  # [n] int64, scheduler order
 ) -> tuple[np.ndarray | None, np.ndarray, np.ndarray]:
     """(order [n] or None if the scheduler's order already is the batch order, index_mapping [n], num_scheduled [n])."""
-    order = _order(num_scheduled_np)
-    if order.shape[0] == 0:
+    if _in_order(num_scheduled_np):
         return None, rows_np, num_scheduled_np
+    order = np.argsort(num_scheduled_np, kind="stable")  # ties keep the scheduler's order, as spec's sorted()
     return order, rows_np[order], num_scheduled_np[order]
 
 
 @njit(cache=True, nogil=True)
-def _order(num_scheduled: np.ndarray) -> np.ndarray:  # pragma: no cover - compiled; tested against spec's order
-    """[n] the stable order by token count (ties keep the scheduler's order, as spec's sorted()), or empty when the
-    counts are already in order: one call where NumPy's sortedness test alone took three."""
-    for i in range(1, num_scheduled.shape[0]):
+def _in_order(num_scheduled: np.ndarray) -> bool:  # pragma: no cover - compiled; tested against spec's order
+    """The counts [n] are already ascending, so the scheduler's order is the batch order: one call where NumPy's
+    sortedness test alone took three (a bool back: an array returned from compiled code costs a boxing)."""
+    for i in range(1, num_scheduled.shape[0]):  # noqa: SIM110 - a loop Numba compiles (no generators)
         if num_scheduled[i] < num_scheduled[i - 1]:
-            return np.argsort(num_scheduled, kind="mergesort")
-    return np.zeros(0, np.int64)
+            return False
+    return True

@@ -313,7 +313,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "fast-row-memo-kept-past-a-freed-row",
         "3 rows: a continuing request's row is the row it holds",
         "fast/bulk_read.py",
-        "if self.req_ids is not None and self._held[rows].any():",
+        "if self.req_ids is not None and _any_at(self._held, rows):",
         "if False:",
         ("tests/test_fast_validate.py",),
     ),
