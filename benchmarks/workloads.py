@@ -2,7 +2,10 @@
 
 Continuing requests come as one spec.types.CachedRequestColumns, the columnar form vLLM's scheduler
 hands its workers (CachedRequestData); `-objects` workloads send one CachedRequest per request instead,
-to show what the object form costs.
+to show what the object form costs. A running request's id is the same str object in every step's output, as in
+vLLM's (its scheduler sends each Request's own request_id): an id list compared with the last step's then matches
+by identity, where fresh strings (equal, but made anew each step) were compared byte by byte after the peer's round
+had evicted the last step's, one cache miss a request.
 
 A workload is `num_decodes` running requests (contexts drawn from [min_context, max_context]) plus
 `num_prefills` fresh prompts of `prefill_len` tokens per step. `StepStream` produces the steady state
@@ -122,6 +125,7 @@ def cpu_trim_reason(workload: Workload, provider: str, stage: str) -> str | None
 class _Layout:
     config: WorkerConfig
     contexts: tuple[int, ...]  # [num_decodes]
+    decode_ids: tuple[str, ...]  # [num_decodes] each running request's id, the same str object every step
     decode_blocks: tuple[np.ndarray, ...]  # per group: [num_decodes, max_blocks_per_req] physical ids
     prefill_blocks: tuple[np.ndarray, ...]  # per group: [2 banks, num_prefills, blocks per prompt]
     first: SchedulerOutput  # adds every request; decodes enter with a prefix hit of context - 1 tokens
@@ -150,18 +154,19 @@ def _layout(w: Workload) -> _Layout:
         kv_groups=tuple(groups),
     )
     new, scheduled = [], {}
+    decode_ids = tuple(f"d{i}" for i in range(w.num_decodes))
     for i, ctx in enumerate(contexts):
         prompt = tuple(rng.integers(0, VOCAB_SIZE, ctx).tolist())
         blocks = tuple(
             tuple(decode_blocks[g][i, : math.ceil(ctx / bs)].tolist()) for g, (bs, _) in enumerate(w.groups())
         )
-        new.append(NewRequest(f"d{i}", prompt, blocks, num_computed_tokens=ctx - 1))
-        scheduled[f"d{i}"] = 1
+        new.append(NewRequest(decode_ids[i], prompt, blocks, num_computed_tokens=ctx - 1))
+        scheduled[decode_ids[i]] = 1
     for req in _prefills(w, prefill_blocks, step=0):
         new.append(req)
         scheduled[req.req_id] = w.prefill_len
     first = SchedulerOutput(new_requests=tuple(new), num_scheduled_tokens=scheduled)
-    return _Layout(config, contexts, tuple(decode_blocks), tuple(prefill_blocks), first)
+    return _Layout(config, contexts, decode_ids, tuple(decode_blocks), tuple(prefill_blocks), first)
 
 
 @functools.lru_cache(maxsize=2)
@@ -222,10 +227,11 @@ class StepStream:
                 tuple(int(blocks[i, p // bs]) for p in reach if p % bs == 0)
                 for blocks, (bs, _) in zip(layout.decode_blocks, w.groups(), strict=True)
             ]
-            req_ids.append(f"d{i}")
+            req_id = layout.decode_ids[i]  # the same object every step, as vLLM's scheduler sends req.request_id
+            req_ids.append(req_id)
             computed.append(position)
             added.append(tuple(new_blocks) if any(new_blocks) else None)
-            scheduled[f"d{i}"] = 1 + w.drafts
+            scheduled[req_id] = 1 + w.drafts
         cached: tuple[CachedRequest, ...] | CachedRequestColumns = CachedRequestColumns(req_ids, computed, added)
         if w.objects:
             cached = tuple(cached)
@@ -233,7 +239,7 @@ class StepStream:
         scheduled.update({r.req_id: w.prefill_len for r in new})
         finished = frozenset(f"p{k - 1}.{i}" for i in range(w.num_prefills))
         drafts = (PLACEHOLDER_TOKEN_ID,) * w.drafts if self.on_device else self._drafts
-        spec_decode = {f"d{i}": drafts for i in range(w.num_decodes)} if w.drafts else {}
+        spec_decode = dict.fromkeys(layout.decode_ids, drafts) if w.drafts else {}
         out = SchedulerOutput(tuple(new), cached, scheduled, finished, spec_decode)
         self._recent = (self._recent[1], out)
         return out
