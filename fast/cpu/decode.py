@@ -28,8 +28,8 @@ from fast.cpu.lanes import FASTMATH, exp, maximum, prefetch, tanh, widen
 
 # A row that reads its blocks in memory order (fewer than 4 query heads per KV head) asks for the cache lines this
 # many bytes ahead of each key or value it reads. Measured on MHA 64 x 512 (1.07 GB of K and V) at one thread, against
-# 8 KiB: 2 KiB 1.35x the time, 4 KiB 1.13x, 16 and 64 KiB within 2%; asking for each next pass while this one runs
-# (a block's 512 KiB of values while its keys are read, then the next block's keys) 1.26x
+# 8 KiB: 2 KiB 1.23x the time, 4 KiB 1.12x, 16 KiB 1.04x, 64 KiB 1.05x; asking for each next pass while this one runs
+# (a block's 512 KiB of values while its keys are read, then the next block's keys) 1.13-1.21x
 AHEAD_BYTES = 8192
 
 
