@@ -17,6 +17,7 @@ import torch
 
 from fast.drafts import BatchDrafts, SamplerFields, StepDrafts
 from fast.kernels.prepare import output_sizes, prepare_triton
+from fast.records import new_batch
 from fast.runtime import interpret, upload_into
 from fast.state import DeviceState
 from spec.state import PoolState
@@ -68,7 +69,7 @@ class DeviceBatch:
         if drafts is not None:  # the sampler's fields, logits_indices included, built on the host and uploaded
             sampler, batch_drafts = self._sampler.build(cu_num_tokens, drafts, dev.device)
             fields = fields | sampler
-        batch = BatchInputs(
+        batch = new_batch(  # BatchInputs without its dataclass __init__ (fast/records.py)
             req_ids=req_ids,
             index_mapping=batch_dev[:num_reqs],
             num_scheduled_tokens=batch_dev[num_reqs : 2 * num_reqs],
