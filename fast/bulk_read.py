@@ -266,6 +266,9 @@ def appended_ids(
         if joined is None:
             return None
         lengths, ids = joined
+        if all(entries):  # every appending request appends to this group (tuples or lists, checked by joined_ids)
+            out.append((index, lengths, ids))
+            continue
         has = lengths > 0
         out.append((index[has], lengths[has], ids))
     return out
