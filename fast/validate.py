@@ -78,6 +78,15 @@ class PlannerMemory:
         self.rows = RowMemo(config.max_num_reqs)
 
 
+
+def as_counts(values: Sequence[int] | np.ndarray) -> np.ndarray:
+    """[n] int64 of a column read_cached checked: Python ints through fromiter (no dtype discovery pass), an integer
+    array as NumPy casts it."""
+    if type(values) is np.ndarray:
+        return np.array(values, np.int64)
+    return np.fromiter(values, np.int64, len(values))
+
+
 def plan_bulk_step(
     state: PoolState,
     sched: SchedulerOutput,
@@ -109,7 +118,8 @@ def plan_bulk_step(
         return Fallback.REQUEST_KEYS
     if len(keys) != n + num_new:
         return Fallback.REQUEST_SET
-    num_scheduled = np.array(counts_in, np.int64)  # [n + k] scheduler order
+    # [n + k] scheduler order; Python ints (checked above) need no dtype discovery: fromiter is 2/3 of array()'s time
+    num_scheduled = np.fromiter(counts_in, np.int64, len(counts_in))
     if not counts_in_budget(num_scheduled, config.max_num_batched_tokens):
         return Fallback.BUDGET
     new_ids = [r.req_id for r in new] if num_new else []
@@ -126,7 +136,7 @@ def plan_bulk_step(
         new_at = np.fromiter(map(index.__getitem__, new_ids), np.int64, num_new)  # type: ignore[assignment]
     try:  # unknown request: KeyError
         rows = memory.rows.rows_of(state, cached_ids)  # [n] req_state_idx
-        num_computed = np.array(computed_in, np.int64) if n else EMPTY  # [n]
+        num_computed = as_counts(computed_in) if n else EMPTY  # [n]
     except (KeyError, TypeError, ValueError, OverflowError):
         return Fallback.UNKNOWN_REQUEST
     if num_computed.ndim != 1:
