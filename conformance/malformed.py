@@ -220,8 +220,12 @@ def _unequal_columns(out: SchedulerOutput, live: Sequence[str], rng: random.Rand
     if columns is None:
         return None
     name = rng.choice(("num_computed_tokens", "new_block_ids"))
-    column = list(getattr(columns, name))
-    column = column[:-1] if rng.random() < 0.5 else [*column, column[-1]]  # one entry short or one too many
+    column: Any = list(getattr(columns, name))
+    roll = rng.random()
+    if roll < 0.2:  # no column at all (None means "no new ids" for new_block_ids, nothing for the counts)
+        column = 7 if name == "new_block_ids" else rng.choice((7, None))
+    else:  # one entry short or one too many
+        column = column[:-1] if roll < 0.6 else [*column, column[-1]]
     return edit(out, cached_requests=edit(columns, **{name: column}))
 
 

@@ -379,6 +379,15 @@ RULES: tuple[Rule, ...] = (
     Rule(
         V,
         "_check_containers",
+        '"cached_requests.req_ids", f"{type(',
+        "columns' req_ids are a tuple or list",
+        EVERY_STEP,
+        f"{IP}::test_a_container_of_the_wrong_kind_is_refused",
+        (IP,),
+    ),
+    Rule(
+        V,
+        "_check_containers",
         "one per req_id",
         "columns of cached requests agree in length",
         EVERY_STEP,

@@ -24,7 +24,13 @@ from conformance.mutations import MALFORMATIONS
 from conformance.probes import EDITS
 from shadow.compare import batch_differences
 from spec import CachedRequest, KVCacheGroup, NewRequest, SchedulerOutput, WorkerConfig
-from spec.errors import InconsistentSchedulerOutputError, ScheduleError, TokenIdError
+from spec.errors import (
+    InconsistentSchedulerOutputError,
+    ModelLengthError,
+    ScheduleError,
+    TokenBudgetError,
+    TokenIdError,
+)
 from spec.types import PAD_SLOT_ID, BatchInputs, CachedRequestColumns
 
 # one full-attention group and one sliding-window group, block size 4 in both
@@ -251,6 +257,13 @@ MALFORMED: dict[str, tuple[str, str | None, str, Callable[[], SchedulerOutput]]]
     "a column of new block ids holding an array": ("new block ids not per group", "a", "new_block_ids",
         lambda: AnyOutput(cached_requests=AnyColumns(["a"], [6], [np.array([45, 46])]),
                           num_scheduled_tokens={"a": 1})),
+    "a column of new block ids that is no sequence": ("columns of unequal length", None,
+        "cached_requests.new_block_ids",
+        lambda: AnyOutput(cached_requests=AnyColumns(["a"], [6], 3), num_scheduled_tokens={"a": 1})),
+    "no column of num_computed_tokens": ("columns of unequal length", None, "cached_requests.num_computed_tokens",
+        lambda: AnyOutput(cached_requests=AnyColumns(["a"], None), num_scheduled_tokens={"a": 1})),
+    "req ids that are no sequence": ("columns of unequal length", None, "cached_requests.req_ids",
+        lambda: AnyOutput(cached_requests=AnyColumns(3.5, [6]), num_scheduled_tokens={"a": 1})),
     "a column one short": ("columns of unequal length", None, "cached_requests.num_computed_tokens",
         lambda: AnyOutput(cached_requests=CachedRequestColumns(["a", "b"], [6]),
                           num_scheduled_tokens={"a": 1, "b": 1})),
@@ -285,6 +298,102 @@ def _refused_after_first(backend: BackendHandle, case: str) -> None:
     pair = _pair(backend)
     _refused(pair, lambda pool: pool.apply(make()), error, req_id, field)
     _decode_both(pair)
+
+
+# integers past int64 (a NumPy conversion's OverflowError, were a backend to convert first) get the check that bounds
+# them: a count past the token budget (check 5), a new request's num_computed past max_model_len (check 7)
+PAST_INT64 = {
+    "count": (TokenBudgetError, "a", "num_scheduled_tokens",
+              lambda: SchedulerOutput(cached_requests=(CachedRequest("a", 6),), num_scheduled_tokens={"a": 2**70})),
+    "new request's num_computed_tokens": (ModelLengthError, "c", "num_scheduled_tokens",
+        lambda: SchedulerOutput(new_requests=(NewRequest("c", (1,), ((9,), (10,)), num_computed_tokens=2**70),),
+                                num_scheduled_tokens={"c": 1})),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(PAST_INT64))
+def test_an_integer_past_int64_gets_the_check_that_bounds_it(backend: BackendHandle, case: str) -> None:
+    error, req_id, field, make = PAST_INT64[case]
+    pair = _pair(backend)
+    _refused(pair, lambda pool: pool.apply(make()), error, req_id, field)
+    _decode_both(pair)
+
+
+# ---- odd values in every field -----------------------------------------------------------------------------------
+# Each value below in each field of an output after FIRST: spec and the backend agree on the outcome (the same
+# error class, request and field with both pools unchanged, or both accept with the same rows), and neither
+# raises anything but a ScheduleError. Arrays are the values a reader can trip on: their truth is ambiguous and
+# their comparison with None is elementwise.
+ODD_VALUES: tuple[Any, ...] = (
+    np.array([3, 4]), np.array([[3, 4]]), np.array([3.0]), np.array([True]), np.array([], np.int64),
+    np.array(["a"]), np.array([3], object), np.float64(3.0), np.int64(3), np.bool_(True),
+    None, (), [], {}, "ab", 3.5, -1, 2**70, (np.array([3]),), ((None,),), ([3], [4]),
+)  # fmt: skip
+_DECODES = {"a": 1, "b": 1}
+_AFTER_A_B = frozenset({"a", "b"})
+ODD_FIELDS: dict[str, Callable[[Any], SchedulerOutput]] = {
+    "columns' new_block_ids entry":
+        lambda v: AnyOutput(cached_requests=AnyColumns(["a", "b"], [6, 4], [v, None]), num_scheduled_tokens=_DECODES),
+    "columns' new_block_ids":
+        lambda v: AnyOutput(cached_requests=AnyColumns(["a", "b"], [6, 4], v), num_scheduled_tokens=_DECODES),
+    "columns' num_computed_tokens":
+        lambda v: AnyOutput(cached_requests=AnyColumns(["a", "b"], v), num_scheduled_tokens=_DECODES),
+    "columns' num_computed_tokens entry":
+        lambda v: AnyOutput(cached_requests=AnyColumns(["a", "b"], [v, 4]), num_scheduled_tokens=_DECODES),
+    "columns' req_ids":
+        lambda v: AnyOutput(cached_requests=AnyColumns(v, [6, 4]), num_scheduled_tokens=_DECODES),
+    "cached request's new_block_ids":
+        lambda v: AnyOutput(cached_requests=(AnyCached("a", 6, v), AnyCached("b", 4)), num_scheduled_tokens=_DECODES),
+    "count":
+        lambda v: AnyOutput(cached_requests=(AnyCached("a", 6), AnyCached("b", 4)),
+                            num_scheduled_tokens={"a": v, "b": 1}),
+    "new request's prompt":
+        lambda v: AnyOutput(new_requests=(AnyNew("c", v, ((9,), (10,))),), num_scheduled_tokens={"c": 1},
+                            finished_req_ids=_AFTER_A_B),
+    "new request's block_ids":
+        lambda v: AnyOutput(new_requests=(AnyNew("c", (1, 2), v),), num_scheduled_tokens={"c": 1},
+                            finished_req_ids=_AFTER_A_B),
+    "new request's group ids":
+        lambda v: AnyOutput(new_requests=(AnyNew("c", (1, 2), (v, (10,))),), num_scheduled_tokens={"c": 1},
+                            finished_req_ids=_AFTER_A_B),
+    "new request's num_computed_tokens":
+        lambda v: AnyOutput(new_requests=(AnyNew("c", (1, 2), ((9,), (10,)), num_computed_tokens=v),),
+                            num_scheduled_tokens={"c": 1}, finished_req_ids=_AFTER_A_B),
+    "cached request's num_computed_tokens":
+        lambda v: AnyOutput(cached_requests=(AnyCached("a", v), AnyCached("b", 4)), num_scheduled_tokens=_DECODES),
+    "cached request's req_id":
+        lambda v: AnyOutput(cached_requests=(AnyCached(v, 6), AnyCached("b", 4)), num_scheduled_tokens=_DECODES),
+    "new request's req_id":
+        lambda v: AnyOutput(new_requests=(AnyNew(v, (1, 2), ((9,), (10,))),), num_scheduled_tokens={"c": 1},
+                            finished_req_ids=_AFTER_A_B),
+    "columns' resumed_req_ids":
+        lambda v: AnyOutput(cached_requests=AnyColumns(["a", "b"], [6, 4], None, v), num_scheduled_tokens=_DECODES),
+    "finished_req_ids":
+        lambda v: AnyOutput(cached_requests=(AnyCached("a", 6), AnyCached("b", 4)), num_scheduled_tokens=_DECODES,
+                            finished_req_ids=v),
+    "drafts":
+        lambda v: AnyOutput(cached_requests=(AnyCached("a", 6), AnyCached("b", 4)),
+                            num_scheduled_tokens={"a": 2, "b": 1}, scheduled_spec_decode_tokens={"a": v}),
+}  # fmt: skip
+
+
+def _outcome(side: Any, out: SchedulerOutput) -> tuple[Any, ...]:
+    before = side.pool.snapshot()
+    try:
+        side.pool.apply(out)
+    except ScheduleError as error:
+        assert side.pool.snapshot() == before, f"{side.handle.name}: the refused call changed the pool"
+        return type(error), error.req_id, error.field
+    return ("accepted", side.pool.snapshot())
+
+
+@pytest.mark.not_on_backends("fast-interpret", reason="the output is read on the host, by fast's own code")
+@pytest.mark.parametrize("field", sorted(ODD_FIELDS))
+def test_an_odd_value_in_any_field_gets_spec_s_outcome(backend: BackendHandle, field: str) -> None:
+    for value in ODD_VALUES:
+        pair = _pair(backend)
+        outcomes = [_outcome(side, ODD_FIELDS[field](value)) for side in (pair.ref, pair.cand)]
+        assert outcomes[0] == outcomes[1], f"{field} = {value!r}: spec {outcomes[0]}, {backend.name} {outcomes[1]}"
 
 
 @pytest.mark.parametrize("case", _cases(CONTAINERS + REPEATS, inside=False))

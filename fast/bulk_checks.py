@@ -91,7 +91,10 @@ def check_new_requests(
     if joined is None:
         return None
     prompt_lens, tokens = joined
-    num_computed = np.array(computed_in, np.int64)
+    try:
+        num_computed = np.array(computed_in, np.int64)
+    except OverflowError:  # past int64: past max_model_len
+        return None
     last = np.empty(k, np.int64)  # [k] last position written
     drafts = EMPTY if num_drafts is None else num_drafts
     if not _new_progress(prompt_lens, tokens, config.vocab_size, num_computed, num_scheduled, drafts,

@@ -113,9 +113,11 @@ def read_cached(cached: Any) -> tuple[list[str], Any, list[Any] | None] | None:
     """(req_ids, num_computed_tokens, new_block_ids or None) of the cached requests, or None if any is resumed."""
     if type(cached) is CachedRequestColumns:
         resumed_ids = cached.resumed_req_ids  # spec's to judge unless an empty set (an empty tuple is refused)
-        if resumed_ids or type(resumed_ids) not in (frozenset, set) or type(cached.req_ids) not in SEQUENCES:
+        if type(resumed_ids) not in (frozenset, set) or resumed_ids or type(cached.req_ids) not in SEQUENCES:
             return None
         req_ids, computed, blocks = list(cached.req_ids), cached.num_computed_tokens, cached.new_block_ids
+        if blocks is not None and type(blocks) not in SEQUENCES:  # an unsized column: spec names it
+            return None
         if type(computed) in SEQUENCES:
             if set(map(type, computed)) - {int}:
                 return None

@@ -78,7 +78,6 @@ class PlannerMemory:
         self.rows = RowMemo(config.max_num_reqs)
 
 
-
 def as_counts(values: Sequence[int] | np.ndarray) -> np.ndarray:
     """[n] int64 of a column read_cached checked: Python ints through fromiter (no dtype discovery pass), an integer
     array as NumPy casts it."""
@@ -119,16 +118,26 @@ def plan_bulk_step(
     if len(keys) != n + num_new:
         return Fallback.REQUEST_SET
     # [n + k] scheduler order; Python ints (checked above) need no dtype discovery: fromiter is 2/3 of array()'s time
-    num_scheduled = np.fromiter(counts_in, np.int64, len(counts_in))
+    try:
+        num_scheduled = np.fromiter(counts_in, np.int64, len(counts_in))
+    except OverflowError:  # past int64: past any budget
+        return Fallback.BUDGET
     if not counts_in_budget(num_scheduled, config.max_num_batched_tokens):
         return Fallback.BUDGET
     new_ids = [r.req_id for r in new] if num_new else []
     # the position of each cached and each new request among the scheduled ones
-    if keys == cached_ids + new_ids:
+    try:
+        cached_first = keys == cached_ids + new_ids
+        new_first = not cached_first and keys == new_ids + cached_ids
+    except (ValueError, TypeError):  # an id whose comparison is no bool (an array): check 1's to name
+        return Fallback.REQUEST_SET
+    if cached_first:
         cached_at, new_at = slice(0, n), slice(n, n + num_new)
-    elif keys == new_ids + cached_ids:
+    elif new_first:
         new_at, cached_at = slice(0, num_new), slice(num_new, n + num_new)
     else:
+        if set(map(type, cached_ids + new_ids)) - {str}:  # (an unhashable id would not even make a set)
+            return Fallback.REQUEST_SET
         if len(set(keys)) != len(keys) or set(keys) != {*cached_ids, *new_ids}:
             return Fallback.REQUEST_SET
         index = scheduler_index(keys)

@@ -7,7 +7,7 @@ the shapes and integer dtypes below are part of the contract and identical in bo
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, overload
 
@@ -237,7 +237,9 @@ class CachedRequestColumns(Sequence[CachedRequest]):
         computed = self.num_computed_tokens[index]
         if isinstance(computed, np.integer):
             computed = int(computed)
-        return CachedRequest(req_id, computed, blocks, req_id in self.resumed_req_ids)
+        # an unhashable id (check 1 names it) is in no set
+        resumed = isinstance(req_id, Hashable) and req_id in self.resumed_req_ids
+        return CachedRequest(req_id, computed, blocks, resumed)
 
     def __iter__(self) -> Iterator[CachedRequest]:
         return (self[i] for i in range(len(self)))

@@ -283,14 +283,19 @@ def _check_containers(sched: SchedulerOutput) -> None:
         fail(None, "new_requests", "holds something that is not a NewRequest")
     cached = sched.cached_requests
     if isinstance(cached, CachedRequestColumns):
+        if not isinstance(cached.req_ids, _SEQUENCES):
+            fail(None, "cached_requests.req_ids", f"{type(cached.req_ids).__name__}: needs a tuple or list")
         n = len(cached.req_ids)
+        if cached.num_computed_tokens is None:  # unlike new_block_ids, no column means no counts, not "none"
+            fail(None, "cached_requests.num_computed_tokens", f"needs {n} entries, one per req_id")
         columns = {"num_computed_tokens": cached.num_computed_tokens, "new_block_ids": cached.new_block_ids}
         for name, column in columns.items():
             if column is not None and (not hasattr(column, "__len__") or len(column) != n):
                 fail(None, f"cached_requests.{name}", f"needs {n} entries, one per req_id")
         if not isinstance(cached.resumed_req_ids, frozenset | set):
             fail(None, "cached_requests.resumed_req_ids", "needs a set")
-        unknown = sorted(map(repr, set(cached.resumed_req_ids) - set(cached.req_ids)))
+        # `in` over the ids, not a set of them: an unhashable id is check 1's to name, below
+        unknown = sorted(repr(r) for r in cached.resumed_req_ids if r not in cached.req_ids)
         if unknown:
             fail(None, "cached_requests.resumed_req_ids", f"{unknown[0]} is not among the cached req_ids")
     elif any(not isinstance(r, CachedRequest) for r in cached):

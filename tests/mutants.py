@@ -658,7 +658,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "columns-resumed-ids-of-any-container",
         "check 1: the columns' resumed_req_ids is a set (an empty tuple reads as no resumptions)",
         "fast/bulk_read.py",
-        "if resumed_ids or type(resumed_ids) not in (frozenset, set) or type(cached.req_ids) not in SEQUENCES:",
+        "if type(resumed_ids) not in (frozenset, set) or resumed_ids or type(cached.req_ids) not in SEQUENCES:",
         "if resumed_ids or type(cached.req_ids) not in SEQUENCES:",
         (f"{INVALID}::test_every_malformation_is_provoked_and_survived",),
     ),
