@@ -195,7 +195,9 @@ def render(json_paths: list[Path], page: Path, img_dir: Path) -> None:
         "cache groups (block sizes 16 and 32, and a sliding-window group of 16) instead of one. Block ids are a "
         "shuffled free list, as an allocator hands them out. Every provider sees the same stream of steps. "
         "Continuing requests arrive as `CachedRequestColumns` (vLLM's columnar CachedRequestData); `-objects` "
-        "sends one `CachedRequest` object per request instead.",
+        "sends one `CachedRequest` object per request instead. A running request's id is the same `str` object in "
+        "every step, as vLLM's scheduler sends each request's own `request_id` (results before 2026-12-04 made the "
+        "ids anew each step, which cost every provider a cache miss per request at 1024 decodes).",
         "- **Stateful stages** (`apply`, `host_step`, `layer_step`) time one step per round, each round a new valid "
         "step (built untimed), so the pool stays in steady state. CUDA work is synchronised inside every timed call.",
         "- **Ratios** divide a provider's median by the reference provider's median on the same workload: "
