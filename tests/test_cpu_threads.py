@@ -122,6 +122,34 @@ def _meet(arrivals: np.ndarray, seen: np.ndarray, share: np.ndarray) -> None:  #
 
 
 @njit(nogil=True, cache=True)
+def _wait_for(arrivals: np.ndarray, seen: np.ndarray, share: np.ndarray) -> None:  # pragma: no cover - compiled
+    """A first job's share: waits, bounded, until a share of the second job (_meet_second) has arrived, and notes
+    the second job's arrivals it saw."""
+    count = 0
+    for _ in range(1 << 30):  # seconds
+        count = fetch_add(arrivals, 1, 0)
+        if count >= 1:
+            break
+    seen[share[0]] = count
+    fetch_add(arrivals, 0, 1)
+
+
+@njit(nogil=True, cache=True)
+def _arrive(arrivals: np.ndarray, seen: np.ndarray, share: np.ndarray) -> None:  # pragma: no cover - compiled
+    """A second job's share: arrives, and notes the first job's shares finished before it."""
+    fetch_add(arrivals, 1, 1)
+    seen[share[0]] = fetch_add(arrivals, 0, 0)
+
+
+@njit(nogil=True, cache=True)
+def _fail_after(bad: int, share: np.ndarray, done: np.ndarray) -> None:  # pragma: no cover - compiled
+    for i in share:
+        if i == bad:
+            raise ValueError("planted failure")
+        done[i] += 10
+
+
+@njit(nogil=True, cache=True)
 def _fail_on(bad: int, share: np.ndarray, done: np.ndarray) -> None:  # pragma: no cover - compiled
     for i in share:
         if i == bad:
@@ -134,7 +162,7 @@ def test_shares_run_at_once_on_two_openmp_threads() -> None:
     """Two shares of one call run at the same time (each waits until the other has started), so the team has two
     threads; every item is run once."""
     arrivals, seen = np.zeros(1, np.int64), np.zeros(2, np.int64)
-    run_shares(_meet, (arrivals, seen), np.arange(2, dtype=np.int64), (), np.full(2, MIN_SHARE_COST, np.int64))
+    run_shares((_meet, (arrivals, seen), np.arange(2, dtype=np.int64), (), np.full(2, MIN_SHARE_COST, np.int64)))
     assert arrivals[0] == 2
     assert seen.tolist() == [2, 2]
 
@@ -143,7 +171,41 @@ def test_shares_run_at_once_on_two_openmp_threads() -> None:
 def test_a_share_that_raises_on_the_team_is_reported_to_the_caller() -> None:
     done = np.zeros(8, np.int64)
     items, costs = np.arange(8, dtype=np.int64), np.full(8, MIN_SHARE_COST, np.int64)
-    run_shares(_fail_on, (-1,), items, (done,), costs)
+    run_shares((_fail_on, (-1,), items, (done,), costs))
     assert done.tolist() == [1] * 8  # every item once
     with pytest.raises(RuntimeError, match="_fail_on failed"):
-        run_shares(_fail_on, (5,), items, (done,), costs)
+        run_shares((_fail_on, (5,), items, (done,), costs))
+    # in a call of two jobs, the job whose share raised is named
+    with pytest.raises(RuntimeError, match="_fail_after failed"):
+        run_shares((_fail_on, (-1,), items, (done,), costs), (_fail_after, (5,), items, (done,), costs))
+
+
+@pytest.mark.usefixtures("two_torch_threads")
+def test_two_jobs_run_at_once_one_thread_on_each() -> None:
+    """Two jobs of 4 shares each: one thread starts on each, so the first job's first share, which waits for a share
+    of the second, sees one arrive (two threads both on the first job's shares would wait it out); every share of
+    both runs once, by its own kernel."""
+    costs = np.full(4, MIN_SHARE_COST, np.int64)
+    arrivals, first_seen, second_seen = np.zeros(2, np.int64), np.full(4, -1, np.int64), np.full(4, -1, np.int64)
+    run_shares((_wait_for, (arrivals, first_seen), np.arange(4, dtype=np.int64), (), costs),
+               (_arrive, (arrivals, second_seen), np.arange(4, dtype=np.int64), (), costs))  # fmt: skip
+    assert arrivals.tolist() == [4, 4]
+    assert first_seen[0] >= 1, first_seen
+    assert second_seen[0] == 0, second_seen  # the second job started before the first job's first share ended
+    assert (first_seen >= 1).all() and (second_seen >= 0).all()
+
+
+@pytest.mark.usefixtures("two_torch_threads")
+def test_two_jobs_every_item_once_and_small_jobs_on_the_calling_thread() -> None:
+    done = np.zeros(8, np.int64)
+    items, costs = np.arange(8, dtype=np.int64), np.full(8, MIN_SHARE_COST, np.int64)
+    run_shares((_fail_on, (-1,), items[:5], (done,), costs[:5]), (_fail_after, (-1,), items[5:], (done,), costs[5:]))
+    assert done.tolist() == [1] * 5 + [10] * 3
+    # no items in one job; then two one-share jobs too small to hand off: all run, on the calling thread alone
+    run_shares((_fail_on, (-1,), items[:0], (done,), costs[:0]), (_fail_after, (-1,), items, (done,), costs))
+    assert done.tolist() == [11] * 5 + [20] * 3
+    arrivals, seen = np.zeros(1, np.int64), np.zeros(2, np.int64)
+    tiny = np.ones(1, np.int64)
+    run_shares((_meet, (arrivals, seen), np.zeros(1, np.int64), (), tiny),
+               (_meet, (arrivals, seen), np.ones(1, np.int64), (), tiny))  # fmt: skip
+    assert seen.tolist() == [1, 2]  # one after the other: the first share waited alone, and gave up

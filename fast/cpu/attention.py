@@ -86,12 +86,10 @@ def paged_attention_cpu(
         return
     key, value = _elements(key_cache, fmt), _elements(value_cache, fmt)
     scale32, window, cap = np.float32(scale), sliding_window or 0, np.float32(softcap or 0.0)
-    if decode_rows.size:
-        run_shares(decode_kernel, (o, q, key, value, strides, table, lens, starts), decode_rows,
-                   (group, head_dim, block_size, scale32, window, cap, k_scales, v_scales), decode_costs)  # fmt: skip
-    if items.shape[0]:
-        after = (tile, group, head_dim, block_size, scale32, window, cap, k_scales, v_scales)
-        run_shares(prefill_kernel, (o, q, key, value, strides, table), items, after, item_costs)
+    decode = (decode_kernel, (o, q, key, value, strides, table, lens, starts), decode_rows,
+              (group, head_dim, block_size, scale32, window, cap, k_scales, v_scales), decode_costs)  # fmt: skip
+    after = (tile, group, head_dim, block_size, scale32, window, cap, k_scales, v_scales)
+    run_shares(decode, (prefill_kernel, (o, q, key, value, strides, table), items, after, item_costs))
 
 
 def as_float32(query: torch.Tensor) -> torch.Tensor:
