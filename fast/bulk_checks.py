@@ -6,8 +6,6 @@ then, raises the exact error. The invariants they rely on are listed in fast/val
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 from numba import njit
 
@@ -61,15 +59,6 @@ NO_NEW: tuple[np.ndarray, np.ndarray, np.ndarray, list[TableWrites], list[np.nda
 new_table_writes = record_maker(TableWrites)
 
 
-@functools.lru_cache(maxsize=64)
-def _new_table_flags(k: int) -> tuple[np.ndarray, np.ndarray]:
-    """(starts [k] zeros, replaced [k] all True) of k new tables, read-only: shared by every step of k new requests
-    (two allocations a step, and a group, fewer)."""
-    starts, replaced = np.zeros(k, np.int64), np.ones(k, bool)
-    starts.flags.writeable = replaced.flags.writeable = False
-    return starts, replaced
-
-
 def check_new_requests(
     state: PoolState,
     new: tuple[NewRequest, ...] | list[NewRequest],  # [k]
@@ -100,7 +89,6 @@ def check_new_requests(
     if not _new_progress(prompt_lens, tokens, config.vocab_size, num_computed, num_scheduled, drafts,
                          config.max_model_len, last):  # fmt: skip
         return None
-    starts, replaced = _new_table_flags(k)
     writes, written = [], []
     for g, group in enumerate(config.kv_groups):
         joined = joined_ids([table[g] for table in tables], "q")
@@ -114,7 +102,9 @@ def check_new_requests(
         if not out.size:  # every new request writes a block: none written is a failed check
             return None
         written.append(out)
-        writes.append(new_table_writes(rows=EMPTY, starts=starts, lengths=lengths, ids=ids, replaced=replaced))
+        replaced = np.ones(k, bool)  # whole tables, written from entry 0
+        writes.append(new_table_writes(rows=EMPTY, starts=np.zeros(k, np.int64), lengths=lengths, ids=ids,
+                                       replaced=replaced))  # fmt: skip
     return num_computed, prompt_lens, tokens, writes, written
 
 
