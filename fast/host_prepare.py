@@ -3,12 +3,13 @@
 In host mode the device state IS the host mirror's memory (fast.state, DeviceState(mirror=...)), so
 prepare is fast/flatten.py's and fast/slots.py's compiled loops writing into two buffers reused from step
 to step and handed out as tensors: a batch's tensors are valid until the next prepare (as vLLM's
-persistent input buffers). A step shaped like the last reuses the last step's tensor objects.
+persistent input buffers). A step of a recent shape (one of the last VIEW_SHAPES) reuses that shape's tensor
+objects.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -20,6 +21,20 @@ from fast.slots import tables_and_slots
 from fast.state import DeviceState, HostMirror
 from spec.types import BatchInputs
 
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+VIEW_SHAPES = 16  # batch shapes whose tensor views a HostBatch keeps (a few hundred bytes a tensor)
+
+
+def _keep(cache: dict[K, V], key: K, value: V) -> V:
+    """value, kept in cache under key; past VIEW_SHAPES entries the oldest goes."""
+    cache[key] = value
+    if len(cache) > VIEW_SHAPES:
+        del cache[next(iter(cache))]
+    return value
+
 
 class HostBatch:
     """The buffers a host-mode pool's batches view, and the tensors over them for the last shape."""
@@ -28,11 +43,12 @@ class HostBatch:
         self._out32 = np.zeros(0, np.int32)
         self._out64 = np.zeros(0, np.int64)
         self._t32, self._t64 = torch.from_numpy(self._out32), torch.from_numpy(self._out64)  # the whole buffers
-        self._views: dict[str, Any] = {}  # the batch's tensors over those buffers, for the shape in _views_key
-        self._views_key: tuple[int, ...] = ()  # (num_reqs, T, num_tokens, drafts or -1, buffers grown)
-        self._row_views: dict[str, Any] = {}  # those of _views that depend on the rows alone: for _rows_key
-        self._rows_key: tuple[int, bool, int] = (-1, False, -1)  # (num_reqs, drafting, buffers grown)
-        self._buffers_grown = 0  # times either buffer was reallocated: part of _views_key
+        # the batch's tensors over those buffers, per shape (num_reqs, T, num_tokens, drafts or -1), for the last
+        # VIEW_SHAPES shapes; those that depend on the rows alone, per (num_reqs, drafting). Both emptied when a
+        # buffer is reallocated.
+        self._views: dict[tuple[int, int, int, int], dict[str, Any]] = {}
+        self._row_views: dict[tuple[int, bool], dict[str, Any]] = {}
+        self._buffers_grown = 0  # times either buffer was reallocated: part of _held_key
         # [G * num_reqs, 3] what each gathered table row holds (fast.slots.tables_and_slots): valid for the out32
         # layout of _held_key, unknown (-1) when that changes
         self._held = np.zeros((0, 3), np.int64)
@@ -84,17 +100,20 @@ class HostBatch:
             sampler_fields(cu_num_tokens, num_drafts, draft_ids, IDENTITY if order is None else order,
                            out32[sampler_at:], sampler64)  # fmt: skip
             batch_drafts = (sampler64[d:], sampler64[:d])
-        # The tensors view the reused buffers, so a step of the same shape as the last (every decode step of a
-        # steady batch) hands out the same tensor objects, now holding this step's values: no re-wrapping. A step
-        # with the last one's rows but other token counts (drafting steps) re-wraps only the arrays over tokens.
-        key = (n, t, num_tokens, d, self._buffers_grown)
-        if key != self._views_key:
-            rows_key = (n, d >= 0, self._buffers_grown)
-            if rows_key != self._rows_key:
-                self._row_views, self._rows_key = self._wrap_rows(dev, n, d >= 0), rows_key
-            self._views = self._row_views | self._wrap_tokens(num_groups, n, t, num_tokens, d, sampler_at + 3 * n)
-            self._views_key = key
-        views = self._views | fields if fields else self._views
+        # The tensors view the reused buffers, so a step of a shape seen lately (every decode step of a steady
+        # batch; a batch whose size moves as requests come and go) hands out the same tensor objects as then, now
+        # holding this step's values: wrapping a dozen views costs a drafting or a mixed step more than its
+        # compiled passes. A new shape with known rows wraps only the arrays over tokens.
+        key = (n, t, num_tokens, d)
+        views = self._views.get(key)
+        if views is None:
+            drafting = d >= 0
+            rows_views = self._row_views.get((n, drafting))
+            if rows_views is None:
+                rows_views = _keep(self._row_views, (n, drafting), self._wrap_rows(dev, n, drafting))
+            tokens_at = sampler_at + 3 * n  # the sampler's logits rows, after its three fields of [n]
+            views = _keep(self._views, key, rows_views | self._wrap_tokens(num_groups, n, t, num_tokens, d, tokens_at))
+        views = views | fields if fields else views
         return new_batch(req_ids=req_ids, num_tokens=num_tokens, num_tokens_padded=padded, **views), batch_drafts
 
     def _wrap_rows(self, dev: DeviceState, n: int, drafting: bool) -> dict[str, Any]:
@@ -130,7 +149,9 @@ class HostBatch:
         if self._out32.size < size:
             self._out32 = np.zeros(max(size, 2 * self._out32.size), np.int32)
             self._t32 = torch.from_numpy(self._out32)
-            self._buffers_grown += 1  # views over the old buffer are stale
+            self._buffers_grown += 1
+            self._views.clear()  # views over the old buffer are stale
+            self._row_views.clear()
         return self._out32[:size]
 
     def _buffer64(self, size: int) -> np.ndarray:
@@ -138,4 +159,6 @@ class HostBatch:
             self._out64 = np.zeros(max(size, 2 * self._out64.size), np.int64)
             self._t64 = torch.from_numpy(self._out64)
             self._buffers_grown += 1
+            self._views.clear()
+            self._row_views.clear()
         return self._out64[:size]

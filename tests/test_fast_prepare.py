@@ -263,3 +263,56 @@ def _decode(step: int) -> SchedulerOutput:
         cached_requests=(CachedRequest("A", 2 + step, a_blocks), CachedRequest("B", 2 + step, b_blocks)),
         num_scheduled_tokens={"A": 1, "B": 1},
     )
+
+
+def test_cpu_batches_of_a_recent_shape_reuse_its_tensors_with_this_steps_values() -> None:
+    """Host mode keeps the tensor views of the last few batch shapes (fast/host_prepare.py): a batch whose shape
+    comes back after other shapes (a request leaves, another joins) gets the tensor objects of that shape's last
+    batch, holding this step's values, spec's."""
+    from spec.types import CachedRequest
+
+    config = WorkerConfig(3, 16, 16, 50, (KVCacheGroup(16, 16),))
+    pools = {"spec": spec.RequestStatePool(config), "fast": fast.RequestStatePool(config, "cpu")}
+    assert pools["fast"].host_mode
+
+    def decode(done: dict[str, int], finished: frozenset[str] = frozenset()) -> SchedulerOutput:
+        return SchedulerOutput(
+            cached_requests=tuple(CachedRequest(r, c) for r, c in done.items()),
+            num_scheduled_tokens=dict.fromkeys(done, 1),
+            finished_req_ids=finished,
+        )
+
+    steps = [
+        SchedulerOutput(  # A, B and C: their prompts (the largest step: the buffers are not reallocated after it)
+            new_requests=tuple(NewRequest(r, (1, 2, 3), ((b,),)) for r, b in (("A", 1), ("B", 2), ("C", 3))),
+            num_scheduled_tokens={"A": 3, "B": 3, "C": 3},
+        ),
+        decode({"A": 3, "B": 3, "C": 3}),  # three rows, three tokens
+        decode({"A": 4, "B": 4}, frozenset({"C"})),  # C leaves: two rows, two tokens
+        SchedulerOutput(  # D joins in C's row: three rows, five tokens
+            new_requests=(NewRequest("D", (7, 8, 9), ((4,),)),),
+            cached_requests=(CachedRequest("A", 5), CachedRequest("B", 5)),
+            num_scheduled_tokens={"A": 1, "B": 1, "D": 3},
+        ),
+        decode({"A": 6, "B": 6, "D": 3}),  # three rows, three tokens again
+    ]
+    got_batches = []
+    for step, sched in enumerate(steps):
+        batches = {}
+        for name, pool in pools.items():
+            pool.apply(sched)
+            batches[name] = pool.prepare(sched)
+        got, want = batches["fast"], batches["spec"]
+        for name in ("index_mapping", "num_scheduled_tokens", "query_start_loc", "seq_lens", "positions", "input_ids",
+                     "logits_indices"):  # fmt: skip
+            np.testing.assert_array_equal(getattr(got, name).numpy(), getattr(want, name), err_msg=f"{step} {name}")
+        np.testing.assert_array_equal(got.block_tables[0].numpy(), want.block_tables[0], err_msg=f"{step} tables")
+        np.testing.assert_array_equal(got.slot_mappings[0].numpy(), want.slot_mappings[0], err_msg=f"{step} slots")
+        got_batches.append(got)
+        for name, pool in pools.items():
+            pool.record_sampled(batches[name], np.array([10 + step] * len(sched.num_scheduled_tokens)))
+    then, now = got_batches[1], got_batches[4]
+    for name in ("index_mapping", "query_start_loc", "seq_lens", "positions", "input_ids", "logits_indices"):
+        assert getattr(now, name) is getattr(then, name), name
+    assert now.block_tables[0] is then.block_tables[0] and now.slot_mappings[0] is then.slot_mappings[0]
+    assert now.positions.tolist() == [6, 6, 3]  # the reused tensors hold this step's values, not step 1's [3, 3, 3]
