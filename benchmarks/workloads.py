@@ -44,6 +44,9 @@ class Workload:
     num_prefills: int = 0
     prefill_len: int = 0
     num_groups: int = 1  # 1, or 3: block sizes 16, 32 and a sliding-window group of 16
+    # two groups (full attention, a window of 1024; blocks of 16) drawing on one block pool: vLLM's form for hybrid
+    # models, where every step checks no id is held in both groups (spec/validate.py, check 9)
+    one_pool: bool = False
     quick: bool = False  # in the CI subset (`-m quick`)
     min_context: int = 1024
     max_context: int = 4096
@@ -65,6 +68,8 @@ class Workload:
         return "prefill" if self.num_decodes == 0 else "mixed"
 
     def groups(self) -> tuple[tuple[int, int | None], ...]:  # (block_size, sliding_window) per group
+        if self.one_pool:
+            return ((16, None), (16, 1024))
         return ((16, None),) if self.num_groups == 1 else ((16, None), (32, None), (16, 1024))
 
     def __str__(self) -> str:
@@ -83,6 +88,7 @@ HOST_WORKLOADS = (
     decode(1024),
     decode(8, groups=3, quick=True),
     decode(256, groups=3),
+    Workload("decode-256-pool2", 256, num_groups=2, one_pool=True),
     Workload("decode-256-objects", 256, objects=True),
     Workload("prefill-4x512", 0, 4, 512, quick=True),
     Workload("prefill-16x2048", 0, 16, 2048),
@@ -138,11 +144,19 @@ def _layout(w: Workload) -> _Layout:
     contexts = tuple(int(c) for c in rng.integers(w.min_context, w.max_context + 1, w.num_decodes))
     max_model_len = max(w.max_context, w.prefill_len) + MAX_STREAM_STEPS * (1 + w.drafts) + 1
     groups, decode_blocks, prefill_blocks = [], [], []
-    for block_size, window in w.groups():
-        per_req = math.ceil(max_model_len / block_size)
-        per_prompt = math.ceil(w.prefill_len / block_size)
-        num_blocks = 1 + w.num_decodes * per_req + 2 * w.num_prefills * per_prompt
-        ids = rng.permutation(np.arange(1, num_blocks, dtype=np.int64))  # an allocator's scattered free list
+    needs = [  # per group: (blocks per running request, blocks per prompt)
+        (math.ceil(max_model_len / block_size), math.ceil(w.prefill_len / block_size)) for block_size, _ in w.groups()
+    ]
+    sizes = [w.num_decodes * per_req + 2 * w.num_prefills * per_prompt for per_req, per_prompt in needs]
+    # one pool: every group's ids from one free list, so one id range; else an id range per group
+    pooled_ids = rng.permutation(np.arange(1, 1 + sum(sizes), dtype=np.int64)) if w.one_pool else None
+    for g, ((block_size, window), (per_req, per_prompt)) in enumerate(zip(w.groups(), needs, strict=True)):
+        if pooled_ids is not None:
+            num_blocks = 1 + sum(sizes)
+            ids = pooled_ids[sum(sizes[:g]) : sum(sizes[: g + 1])]
+        else:
+            num_blocks = 1 + sizes[g]
+            ids = rng.permutation(np.arange(1, num_blocks, dtype=np.int64))  # an allocator's scattered free list
         decode_blocks.append(ids[: w.num_decodes * per_req].reshape(w.num_decodes, per_req))
         prefill_blocks.append(ids[w.num_decodes * per_req :].reshape(2, w.num_prefills, per_prompt))
         groups.append(KVCacheGroup(block_size, num_blocks, window))
@@ -152,6 +166,7 @@ def _layout(w: Workload) -> _Layout:
         max_num_batched_tokens=max(w.num_tokens, 8),
         vocab_size=VOCAB_SIZE,
         kv_groups=tuple(groups),
+        one_block_pool=w.one_pool,
     )
     new, scheduled = [], {}
     decode_ids = tuple(f"d{i}" for i in range(w.num_decodes))

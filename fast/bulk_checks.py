@@ -346,42 +346,26 @@ def _marked_twice(first: np.ndarray, second: np.ndarray, marks: np.ndarray) -> b
     return clash
 
 
-def held_in_two_groups(state: PoolState, plan: StepPlan, owner: np.ndarray | None) -> bool:
-    """With one block pool: some id held by a scheduled request in one group is held in another group too.
-
-    `owner` [num_blocks] int8, all zero: a scratch map id -> 1 + the group holding it, returned zeroed (a
-    step marks its held ids and clears them again, so it costs the held entries, not the pool's size);
-    None (a pool too large for one): the ids are sorted instead.
-    """
-    scratch = owner if owner is not None else np.zeros(0, np.int8)
+def held_in_two_groups(state: PoolState, plan: StepPlan) -> bool:
+    """With one block pool, for a pool too large for fast/one_pool.py's marks: some id held by a scheduled request in
+    one group is held in another group too, by sorting the (id, group) pairs of every held entry."""
+    num_groups = len(state.config.kv_groups)
     touched = np.empty(sum(plan.rows.shape[0] * t.shape[1] for t in state.block_tables), np.int64)
-    count, clash, num_groups = 0, False, len(state.config.kv_groups)
+    count = 0
     for g, group in enumerate(state.config.kv_groups):
         w = plan.tables[g]
-        count, clash = _mark_held(
+        count = _held_pairs(
             state.block_tables[g], state.num_blocks[g], plan.rows, plan.num_computed, w.rows, w.starts, w.lengths,
-            w.ids, w.replaced, group.block_size, group.sliding_window or 0, g, num_groups, scratch, touched, count,
+            w.ids, w.replaced, group.block_size, group.sliding_window or 0, g, num_groups, touched, count,
         )  # fmt: skip
-        if clash:
-            break
-    if owner is not None:
-        _unmark(owner, touched, count)
-        return clash
-    ids, groups = np.divmod(touched[:count], num_groups)  # without a scratch map: (id, group) pairs
+    ids, groups = np.divmod(touched[:count], num_groups)
     order = np.lexsort((groups, ids))  # by id, then group: an id held in two groups has two groups side by side
     ids, groups = ids[order], groups[order]
     return bool(((ids[1:] == ids[:-1]) & (groups[1:] != groups[:-1])).any())
 
 
 @njit(cache=True, nogil=True)
-def _unmark(owner: np.ndarray, touched: np.ndarray, count: int) -> None:  # pragma: no cover - compiled
-    """Zero the `count` ids of `touched` in `owner` again (_mark_held's marks)."""
-    for i in range(count):
-        owner[touched[i]] = 0
-
-
-@njit(cache=True, nogil=True)
-def _mark_held(  # pragma: no cover - compiled; tested through plan_bulk_step against plan_step
+def _held_pairs(  # pragma: no cover - compiled; tested through plan_bulk_step against plan_step
     table: np.ndarray,  # [R, width] int32, the group's committed table
     num_blocks: np.ndarray,  # [R] int64 filled entries per row
     rows: np.ndarray,  # [n] int64 scheduler order -> req_state_idx
@@ -395,12 +379,11 @@ def _mark_held(  # pragma: no cover - compiled; tested through plan_bulk_step ag
     window: int,  # sliding window, 0 for none
     group: int,
     num_groups: int,
-    owner: np.ndarray,  # [num_blocks] int8 id -> 1 + its holding group, 0: none yet; or empty: record pairs
-    touched: np.ndarray,  # [n * sum of widths] int64 out: ids marked (with owner), else id * num_groups + group
+    touched: np.ndarray,  # [n * sum of widths] int64 out: id * num_groups + group of each held entry
     count: int,  # entries of `touched` already used
-) -> tuple[int, bool]:
-    """Group `group`'s held ids after the step (non-null, from each request's first live entry on): marked in
-    `owner`, (count, True) at the first id another group holds; without `owner`, recorded as pairs."""
+) -> int:
+    """Group `group`'s held ids after the step (non-null, from each request's first live entry on), recorded as
+    (id, group) pairs from `count` on; the new count."""
     write_of = np.full(table.shape[0], -1, np.int64)  # req_state_idx -> its write, or -1
     offset = np.zeros(write_rows.shape[0] + 1, np.int64)
     for k in range(write_rows.shape[0]):
@@ -413,15 +396,7 @@ def _mark_held(  # pragma: no cover - compiled; tested through plan_bulk_step ag
         lo = 0 if window == 0 else max(0, num_computed[i] - window + 1) // block_size
         for e in range(lo, total):
             block = table[row, e] if e < kept else write_ids[offset[k] + e - kept]
-            if block == NULL_BLOCK_ID:
-                continue
-            if owner.shape[0] == 0:
+            if block != NULL_BLOCK_ID:
                 touched[count] = block * num_groups + group
                 count += 1
-            elif owner[block] == 0:
-                owner[block] = group + 1
-                touched[count] = block
-                count += 1
-            elif owner[block] != group + 1:
-                return count, True
-    return count, False
+    return count

@@ -118,8 +118,10 @@ class RequestStatePool:
         if isinstance(planned, StepPlan):
             refused = self.mode.vouch(self.state, planned)  # async scheduling's own checks (fast/step_modes.py)
             if refused is None:
+                self._planner.accepted()
                 return planned
             planned = refused
+        self._planner.forget()  # what plan_step commits, if it accepts, is no plan the planner's memory followed
         self.fallbacks[planned] += 1
         return plan_step(self.state, sched, self.features)
 

@@ -54,28 +54,40 @@ from fast.bulk_read import (
     scheduler_index,
 )
 from fast.fallback import Fallback
+from fast.one_pool import HeldIds
 from fast.records import new_plan
 from spec.feature import Feature
 from spec.model_kinds import known_features
 from spec.state import PoolState, StepPlan
 from spec.types import NewRequest, SchedulerOutput, WorkerConfig
 
-MAX_OWNER_MAP = 1 << 26  # the largest pool whose one-block-pool check keeps an id -> group map (64 MiB of int8)
+MAX_WRITTEN_MAP = 1 << 26  # the largest pool whose check 13 keeps an id map (64 MiB of int8)
+MAX_HELD_MAP = 1 << 22  # the largest one block pool whose check 9 keeps its marks (fast/one_pool.py, 5 bytes an id)
 
 
 class PlannerMemory:
-    """What the bulk planner keeps for one pool between steps: scratch maps over block ids, zero between calls
-    (a map is 1 byte an id, most of it never touched; a pool past MAX_OWNER_MAP ids sorts instead), and the last
-    step's continuing rows (fast/bulk_read.py RowMemo), told of every freed row by the pool's commit."""
+    """What the bulk planner keeps for one pool between steps: a scratch map over block ids, zero between calls
+    (1 byte an id, most of it never touched; a pool past MAX_WRITTEN_MAP ids sorts instead), with one block pool
+    the ids the last step's requests hold (fast/one_pool.py; past MAX_HELD_MAP ids, sorted each step), and the
+    last step's continuing rows (fast/bulk_read.py RowMemo), told of every freed row by the pool's commit."""
 
     def __init__(self, config: WorkerConfig) -> None:
         pooled = config.one_block_pool and len(config.kv_groups) > 1
         num_ids = max(group.num_blocks for group in config.kv_groups)
-        fits = num_ids <= MAX_OWNER_MAP
-        # [num_blocks] int8 id -> 1 + the group holding it: the one-block-pool check's (held_in_two_groups)
-        self.block_owner = np.zeros(config.kv_groups[0].num_blocks, np.int8) if pooled and fits else None
-        self.written = np.zeros(num_ids, np.int8) if fits else None  # [max num_blocks] ids a step writes (check 13)
+        self.held = HeldIds(config) if pooled and num_ids <= MAX_HELD_MAP else None
+        # [max num_blocks] int8 ids a step writes (check 13)
+        self.written = np.zeros(num_ids, np.int8) if num_ids <= MAX_WRITTEN_MAP else None
         self.rows = RowMemo(config.max_num_reqs)
+
+    def accepted(self) -> None:
+        """The plan the planner returned last is the step being committed."""
+        if self.held is not None:
+            self.held.accepted()
+
+    def forget(self) -> None:
+        """The step being committed (or refused) is not the planner's last plan."""
+        if self.held is not None:
+            self.held.forget()
 
 
 def as_counts(values: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -205,8 +217,10 @@ def plan_bulk_step(
         num_drafts=num_drafts,
         draft_ids=draft_ids,
     )
-    if config.one_block_pool and len(config.kv_groups) > 1 and held_in_two_groups(state, plan, memory.block_owner):
-        return Fallback.ONE_POOL  # plan_step names the first such entry and its holder
+    if config.one_block_pool and len(config.kv_groups) > 1:
+        held = memory.held
+        if held.clashes(state, plan) if held is not None else held_in_two_groups(state, plan):
+            return Fallback.ONE_POOL  # plan_step names the first such entry and its holder
     if not features:
         return plan
     parts = {f.name: part for f in features if (part := f.plan(state, sched, new_rows, plan)) is not None}

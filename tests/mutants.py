@@ -272,10 +272,18 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "fast-one-pool-unchecked",
         "9 BlockIdError: with one block pool, an id held in one group at a time (fast's bulk check)",
-        "fast/bulk_checks.py",
-        "elif owner[block] != group + 1:",
-        "elif owner[block] == 127:",
+        "fast/one_pool.py",
+        "if owner[block] != 0 and owner[block] != mark:",
+        "if owner[block] == 127:",
         (ONE_POOL, INVALID),
+    ),
+    Mutant(
+        "fast-one-pool-appends-unmarked",
+        "9 BlockIdError: with one block pool, an id appended to one group while another holds it",
+        "fast/one_pool.py",
+        "start = max(lo, end[row]) if marked[row] and first[row] != end[row] else lo",
+        "start = total if marked[row] and first[row] != end[row] else lo",
+        (ONE_POOL,),
     ),
     Mutant(
         "fast-released-entries-not-rechecked",

@@ -192,7 +192,9 @@ def render(json_paths: list[Path], page: Path, img_dir: Path) -> None:
         "says what that gap changes).",
         "- **Workloads.** `decode-N`: N running requests, one token each, contexts uniform in 1k–4k tokens. "
         "`prefill-PxL`: P new prompts of L tokens each step (last step's finish). `mixed-N+PxL`: both. `-g3`: three KV "
-        "cache groups (block sizes 16 and 32, and a sliding-window group of 16) instead of one. Block ids are a "
+        "cache groups (block sizes 16 and 32, and a sliding-window group of 16) instead of one; `-pool2`: two groups "
+        "(full attention and a window of 1024, blocks of 16) drawing on one block pool, vLLM's form for hybrid "
+        "models, where each step checks that no id is held in both groups. Block ids are a "
         "shuffled free list, as an allocator hands them out. Every provider sees the same stream of steps. "
         "Continuing requests arrive as `CachedRequestColumns` (vLLM's columnar CachedRequestData); `-objects` "
         "sends one `CachedRequest` object per request instead. A running request's id is the same `str` object in "
