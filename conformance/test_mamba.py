@@ -165,6 +165,11 @@ FAULTS: dict[str, tuple[type[ScheduleError], str, SchedulerOutput]] = {
     "two requests writing one state block": (DuplicateSlotError, "also written",
         SchedulerOutput(new_requests=(NewRequest("X", PROMPT, ((30,), (13,))), NewRequest("Y", PROMPT, ((31,), (13,)))),
                         num_scheduled_tokens={"X": 2, "Y": 2})),
+    # A writes state blocks 6 and 7 (columns 1 and 2: its state and its draft's), B 9 and, for its draft, 7: no
+    # token position of either lies in block 7, so only the speculative states collide
+    "two drafting requests writing one speculative state block": (DuplicateSlotError, "also written",
+        SchedulerOutput(cached_requests=(CachedRequest("A", 12, ((), ())), CachedRequest("B", 5, ((), (7,)))),
+                        num_scheduled_tokens={"A": 2, "B": 2}, scheduled_spec_decode_tokens={"A": (1,), "B": (2,)})),
 }  # fmt: skip
 
 

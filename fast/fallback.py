@@ -20,7 +20,10 @@ class Fallback(enum.Enum):
     """One reason the bulk planner hands a step to spec's plan_step."""
 
     # shapes the bulk planner does not model
-    FEATURE = "a model-kind feature whose rules only plan_step applies (a cross-attention or mamba group)"
+    FEATURE = (
+        "a model-kind feature whose rules only plan_step applies (a cross-attention group; a mamba group under "
+        "async scheduling)"
+    )
     FEATURE_FIELDS = "a new request brings a feature's fields (M-RoPE inputs, an encoder output)"
     ASYNC_DRAFTS = "async scheduling: drafts whose verdict is unread beside a window or mamba group (rule 4)"
     CONTAINERS = "the output's containers or requests are not the plain dict, list, tuple, set and dataclasses"
@@ -39,6 +42,7 @@ class Fallback(enum.Enum):
     SHARED_BLOCK = "check 13: a block written by two requests (plan_step compares their slots)"
     ONE_POOL = "check 9 with one block pool: an id held in two groups"
     ASYNC_RULES = "check 8 under async scheduling: drafts after unread drafts, placeholders, a resumption (5, 7, 8)"
+    FEATURE_RULES = "checks 9-13 of a feature's own group: a mamba state not stored, past the table, null or shared"
 
     @property
     def failed_check(self) -> bool:
@@ -58,5 +62,6 @@ _CHECKS = frozenset(
         Fallback.SHARED_BLOCK,
         Fallback.ONE_POOL,
         Fallback.ASYNC_RULES,
+        Fallback.FEATURE_RULES,
     }
 )

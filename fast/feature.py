@@ -8,14 +8,17 @@ fast/cross_attention.py, fast/mamba.py. fast/pool.py calls them as spec's pool d
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from spec.feature import Feature
 
 if TYPE_CHECKING:
     from fast.state import DeviceState
+    from spec.state import PoolState, StepPlan
+    from spec.types import SchedulerOutput
 
 
 @dataclass(frozen=True)
@@ -35,3 +38,11 @@ class FastFeature(Feature):
     """A spec feature's fast form (a subclass of both), built with the pool's placement."""
 
     placement: Placement
+
+    def plan_in_bulk(self, state: PoolState, sched: SchedulerOutput, new_rows: np.ndarray, plan: StepPlan,
+                     marks: np.ndarray | None) -> Any:  # fmt: skip
+        """fast's bulk planner's `plan` (fast/validate.py), for a feature with `plans_in_bulk`: its part of the
+        plan, or the fast.fallback.Fallback that leaves the step to spec's plan_step. A feature with groups of its
+        own checks their rules here (`marks`: the planner's scratch map over block ids, None for a pool too large
+        for one); by default the feature's plan, made without reading the output again."""
+        return self.plan(state, sched, new_rows, plan)

@@ -1,6 +1,6 @@
 """Mamba state groups in fast (spec/mamba.py): the state indices of a batch, under Triton or in host mode.
 
-apply leaves the rules to spec (fast/validate.py hands every step of a model with a mamba group to spec's
+apply checks the groups' rules in bulk (fast/mamba_bulk.py; an async pool hands every step to spec's
 plan_step), so the plan carries spec's `MambaSteps`; prepare turns them into the batch's fields. Under
 Triton one small launch per mamba group reads the device tables (fast/kernels/mamba.py); in host mode
 the same gathers run as torch ops on the tables the device state shares with the host mirror.
@@ -15,23 +15,32 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from numba import njit
 
+from fast.fallback import Fallback
 from fast.feature import FastFeature, Placement
 from fast.kernels.mamba import mamba_state_indices_triton
+from fast.mamba_bulk import plan_in_bulk
 from fast.runtime import interpret, upload
 from fast.state import DeviceState
 from spec.feature import in_batch_order
 from spec.mamba import MAMBA, NO_STATE, Mamba, MambaSteps, StateIndices, batch_steps, keeps_speculative_states
 from spec.state import PoolState, StepPlan
-from spec.types import PAD_SLOT_ID, BatchInputs, WorkerConfig
+from spec.types import PAD_SLOT_ID, BatchInputs, SchedulerOutput, WorkerConfig
 
 
 class FastMamba(FastFeature, Mamba):
     """spec's mamba feature (its rules and per-row record on the host), the batch's state indices on the device."""
 
+    plans_in_bulk = True  # its groups' rules in compiled passes (fast/mamba_bulk.py); async pools: plan_step
+
     def __init__(self, config: WorkerConfig, placement: Placement) -> None:
         self.placement = placement
         Mamba.__init__(self, config)
+
+    def plan_in_bulk(self, state: PoolState, sched: SchedulerOutput, new_rows: np.ndarray, plan: StepPlan,
+                     marks: np.ndarray | None) -> MambaSteps | Fallback:  # fmt: skip
+        return plan_in_bulk(self, state, plan, marks)
 
     def prepare(self, state: PoolState, plan: StepPlan, batch: BatchInputs, order: np.ndarray | None) -> StateIndices:
         drafts = np.zeros(plan.rows.size, np.int64) if plan.num_drafts is None else plan.num_drafts
@@ -52,10 +61,11 @@ def state_indices(
     config = dev.config
     steps: MambaSteps = batch_steps(plan.features[MAMBA], order)
     num_reqs = batch.num_reqs
-    packed = np.concatenate([steps.bases, steps.firsts, num_drafts]).astype(np.int64)
-    reads = upload(packed, dev.device).view(3, num_reqs)  # base | first | num_drafts, one copy
     # the step's counts on the device: seq_lens from its num_computed, corrected there (async rule 2)
     seq_lens, num_scheduled = batch.seq_lens, batch.num_scheduled_tokens
+    if not host_mode:
+        packed = np.concatenate([steps.bases, steps.firsts, num_drafts]).astype(np.int64)
+        reads = upload(packed, dev.device).view(3, num_reqs)  # base | first | num_drafts, one copy
     written: list[torch.Tensor | None] = []
     prevs: list[torch.Tensor | None] = []
     accepted: torch.Tensor | None = None  # [num_reqs] int32 num_accepted_tokens, as each group's launch gives it
@@ -64,13 +74,16 @@ def state_indices(
             written.append(None)
             prevs.append(None)
             continue
-        batch.slot_mappings[g].fill_(PAD_SLOT_ID)  # no token writes KV to a mamba group
-        table = dev.table(g)
-        if host_mode:  # [num_reqs] the count each row runs at: the device's (host memory here), corrected
-            computed = seq_lens.long() - num_scheduled.long()
-            w, p, accepted = _gather_host(table, batch.index_mapping, seq_lens, computed, reads, group.block_size,
-                                          group.num_speculative_blocks)  # fmt: skip
+        if host_mode:  # the batch's tensors and the tables are host memory: one compiled pass, no torch op
+            out = (np.empty((num_reqs, 1 + group.num_speculative_blocks), np.int32), np.empty(num_reqs, np.int32),
+                   np.empty(num_reqs, np.int32))  # written, read, num_accepted_tokens  # fmt: skip
+            _gather_host(dev.table(g).numpy(), batch.index_mapping.numpy(), seq_lens.numpy(),
+                         num_scheduled.numpy(), steps.bases, steps.firsts, num_drafts, group.block_size,
+                         batch.slot_mappings[g].numpy(), *out)  # fmt: skip
+            w, p, accepted = (torch.from_numpy(a) for a in out)
         else:
+            batch.slot_mappings[g].fill_(PAD_SLOT_ID)  # no token writes KV to a mamba group
+            table = dev.table(g)
             w, p, accepted = mamba_state_indices_triton(table, batch.index_mapping, seq_lens, num_scheduled, reads,
                                                         group.block_size, group.num_speculative_blocks)  # fmt: skip
         written.append(w)
@@ -84,26 +97,28 @@ def state_indices(
     )
 
 
-def _gather_host(
-    table: torch.Tensor,  # [R, width] int32
-    index_mapping: torch.Tensor,  # [num_reqs] int32
-    seq_lens: torch.Tensor,  # [num_reqs] int32, from the corrected count
-    computed: torch.Tensor,  # [num_reqs] int64 num_computed, corrected: seq_lens - num_scheduled
-    reads: torch.Tensor,  # [3, num_reqs] int64: base | first | num_drafts
+@njit(cache=True, nogil=True)
+def _gather_host(  # pragma: no cover - compiled; tested through the pool against spec
+    table: np.ndarray,  # [R, width] int32 the mamba group's table
+    index_mapping: np.ndarray,  # [num_reqs] int32 batch_idx -> req_state_idx
+    seq_lens: np.ndarray,  # [num_reqs] int32, from the corrected count
+    num_scheduled: np.ndarray,  # [num_reqs] int32
+    bases: np.ndarray,  # [num_reqs] int64 batch order: each row's read base (spec.mamba.StateRead.base)
+    firsts: np.ndarray,  # [num_reqs] int64 the position whose state the base column holds
+    num_drafts: np.ndarray,  # [num_reqs] int batch order
     block_size: int,
-    num_speculative_blocks: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(written [num_reqs, 1 + S] int32, read [num_reqs] int32, num_accepted_tokens [num_reqs] int32)."""
-    rows = index_mapping.long()  # [num_reqs]
-    base, first, drafts = reads[0], reads[1], reads[2]
-    accepted = computed - first  # [num_reqs] num_accepted_tokens: the corrected count less the first state's position
-    cols = torch.arange(1 + num_speculative_blocks)  # [columns]
-    used = cols[None, :] <= drafts[:, None]  # [num_reqs, columns]
-    write = (seq_lens.long() - 1) // block_size  # [num_reqs]
-    entries = torch.where(used, write[:, None] + cols[None, :], 0)
-    picked = table[rows[:, None], entries]
-    written = torch.where(used, picked, NO_STATE).to(torch.int32)
-    has_prior = base >= 0
-    column = torch.where(has_prior, base.clamp(min=0) // block_size + accepted - 1, 0)
-    read = torch.where(has_prior, table[rows, column], NO_STATE).to(torch.int32)
-    return written, read, accepted.to(torch.int32)
+    slots: np.ndarray,  # [T] int64 out: the group's slot mapping, all PAD_SLOT_ID (no token writes KV here)
+    written: np.ndarray,  # [num_reqs, 1 + S] int32 out: the state blocks each row writes, NO_STATE past its drafts
+    read: np.ndarray,  # [num_reqs] int32 out: the state block it starts from, or NO_STATE
+    accepted: np.ndarray,  # [num_reqs] int32 out: num_accepted_tokens
+) -> None:
+    """spec.mamba.state_indices for one group, row by row, at the count each row runs at (seq_lens - num_scheduled:
+    corrected under async scheduling)."""
+    slots[:] = PAD_SLOT_ID
+    for b in range(index_mapping.shape[0]):
+        row = index_mapping[b]
+        accepted[b] = seq_lens[b] - num_scheduled[b] - firsts[b]  # the corrected count less the first state's position
+        write = (seq_lens[b] - 1) // block_size
+        for j in range(written.shape[1]):
+            written[b, j] = table[row, write + j] if j <= num_drafts[b] else NO_STATE
+        read[b] = NO_STATE if bases[b] < 0 else table[row, bases[b] // block_size + accepted[b] - 1]

@@ -278,6 +278,22 @@ MUTANTS: tuple[Mutant, ...] = (
         (ONE_POOL, INVALID),
     ),
     Mutant(
+        "fast-mamba-speculative-states-written-twice",
+        "13 DuplicateSlotError: no mamba state block written by two requests (fast's bulk check)",
+        "fast/mamba_bulk.py",
+        "if count < 0 or written_twice(EMPTY, written[:count], marks):",
+        "if count < 0:",
+        (MAMBA,),
+    ),
+    Mutant(
+        "fast-mamba-prefix-hit-inside-a-state-block",
+        "11 MissingBlockError: a new request's mamba read is a state cached at a block's end (fast's bulk check)",
+        "fast/mamba_bulk.py",
+        "if c % min_block != 0:  # a cached state covers whole blocks only",
+        "if c < 0:  # a cached state covers whole blocks only",
+        (MAMBA,),
+    ),
+    Mutant(
         "fast-one-pool-appends-unmarked",
         "9 BlockIdError: with one block pool, an id appended to one group while another holds it",
         "fast/one_pool.py",
@@ -603,8 +619,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "mamba-fresh-row-reads-null-block",
         "mamba: a row without prior state reads no state block (-1), never the null block (vLLM PR #33937)",
         "fast/mamba.py",
-        "    read = torch.where(has_prior, table[rows, column], NO_STATE).to(torch.int32)",
-        "    read = torch.where(has_prior, table[rows, column], 0).to(torch.int32)",  # block 0 is the null block
+        "read[b] = NO_STATE if bases[b] < 0 else",
+        "read[b] = 0 if bases[b] < 0 else",  # block 0 is the null block
         (MAMBA, TINY_HYBRID),
     ),
     Mutant(
@@ -638,8 +654,9 @@ MUTANTS: tuple[Mutant, ...] = (
         "mamba-async-read-from-the-optimistic-count-host-mode",
         "mamba under async: the state read and num_accepted_tokens follow the count corrected by rejected drafts",
         "fast/mamba.py",
-        "            computed = seq_lens.long() - num_scheduled.long()\n",
-        "            computed = torch.from_numpy(in_batch_order(plan.num_computed, order))\n",  # the host's plan
+        "num_scheduled.numpy(), steps.bases,",
+        # the compiled gather runs each row at seq_lens - num_scheduled: made the host's plan count
+        "(seq_lens.numpy() - in_batch_order(plan.num_computed, order)).astype(np.int32), steps.bases,",
         (
             f"{ASYNC}::test_a_mamba_state_is_read_from_the_corrected_count",
             f"{ASYNC}::test_async_hybrid_runs_agree_with_spec_on_every_step",

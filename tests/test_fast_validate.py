@@ -404,7 +404,8 @@ def test_each_fallback_is_named_and_counted(case: str) -> None:
 
 
 def test_fallbacks_of_shapes_the_bulk_planner_leaves() -> None:
-    """A resumed request, a feature's fields, a feature's group, and async drafts: named, counted, then spec's."""
+    """A resumed request, a feature's fields, a feature's group under async scheduling, and async drafts: named,
+    counted, then spec's."""
     config, first, _ = _two_decoding_requests()
     step = _mixed_step()
     resumed = replace(step, cached_requests=(CachedRequest("B", 4, ((4,), (6,)), resumed=True),))
@@ -418,7 +419,8 @@ def test_fallbacks_of_shapes_the_bulk_planner_leaves() -> None:
             with contextlib.suppress(ScheduleError):
                 fast_pool.apply(sched)
             assert fast_pool.fallbacks == Counter({want: 1}) and not want.failed_check
-    mamba = WorkerConfig(4, 16, 32, 50, (KVCacheGroup(4, 16), KVCacheGroup(4, 16, kind="mamba")))
+    # a mamba group's rules under async scheduling (every count a verdict may give): plan_step's alone
+    mamba = WorkerConfig(4, 16, 32, 50, (KVCacheGroup(4, 16), KVCacheGroup(4, 16, kind="mamba")), async_scheduling=True)
     with interpret(False):
         pool = fast.RequestStatePool(mamba)
         new = NewRequest("A", (1, 2), ((1,), (2,)))
