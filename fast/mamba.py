@@ -32,11 +32,15 @@ from spec.types import PAD_SLOT_ID, BatchInputs, SchedulerOutput, WorkerConfig
 class FastMamba(FastFeature, Mamba):
     """spec's mamba feature (its rules and per-row record on the host), the batch's state indices on the device."""
 
-    plans_in_bulk = True  # its groups' rules in compiled passes (fast/mamba_bulk.py); async pools: plan_step
+    plans_in_bulk = True  # its groups' rules in compiled passes (fast/mamba_bulk.py)
 
     def __init__(self, config: WorkerConfig, placement: Placement) -> None:
         self.placement = placement
         Mamba.__init__(self, config)
+
+    def bulk_planned(self) -> bool:
+        """Not under async scheduling: a step's count may be corrected after it was sent (fast/mamba_bulk.py)."""
+        return not self.config.async_scheduling
 
     def plan_in_bulk(self, state: PoolState, sched: SchedulerOutput, new_rows: np.ndarray, plan: StepPlan,
                      marks: np.ndarray | None) -> MambaSteps | Fallback:  # fmt: skip

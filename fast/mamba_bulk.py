@@ -8,7 +8,8 @@ to spec's plan_step, which accepts it. `plan_in_bulk` then adds what only a mamb
 state read (check 11: the state it starts from was stored), its drafts within the speculative blocks (10),
 no read or written state the null block (12), no state block written by two requests (13), and returns the
 plan's `MambaSteps`, spec's values. Under async scheduling a step's count may be corrected after it was sent
-(spec/mamba.py reads every count a verdict may give): such pools leave every step to plan_step.
+(spec/mamba.py reads every count a verdict may give): such pools leave every step to plan_step
+(fast/mamba.py, FastMamba.bulk_planned).
 """
 
 from __future__ import annotations
@@ -34,8 +35,6 @@ def plan_in_bulk(feature: Mamba, state: PoolState, plan: StepPlan, marks: np.nda
 
     `marks` is the bulk planner's scratch map over block ids (check 13), None for a pool too large for one."""
     config = feature.config
-    if config.async_scheduling:
-        return Fallback.FEATURE
     n = plan.rows.shape[0]
     drafts = EMPTY if plan.num_drafts is None else plan.num_drafts
     bases, firsts = np.empty(n, np.int64), np.empty(n, np.int64)  # [n] scheduler order: spec's StateRead fields

@@ -108,7 +108,7 @@ def plan_bulk_step(
 ) -> StepPlan | Fallback:
     config = state.config
     memory = memory or PlannerMemory(config)
-    if features and not all(feature.plans_in_bulk for feature in features):
+    if features and not all(f.bulk_planned() if isinstance(f, FastFeature) else f.plans_in_bulk for f in features):
         return Fallback.FEATURE
     scheduled, new, finished = sched.num_scheduled_tokens, sched.new_requests, sched.finished_req_ids
     if type(scheduled) is not dict or type(new) not in SEQUENCES or type(finished) not in (frozenset, set):
