@@ -346,6 +346,47 @@ def _marked_twice(first: np.ndarray, second: np.ndarray, marks: np.ndarray) -> b
     return clash
 
 
+@njit(cache=True, nogil=True)
+def write_index(  # pragma: no cover - compiled
+    num_rows: int,  # R
+    write_rows: np.ndarray,  # [k] int64 req_state_idx of each of a group's table writes (TableWrites.rows)
+    write_lengths: np.ndarray,  # [k] int64 ids each writes
+) -> tuple[np.ndarray, np.ndarray]:
+    """A group's table writes by row: (write_of [R] req_state_idx -> its write or -1, offset [k + 1] where each
+    write's ids start among the writes' ids)."""
+    write_of = np.full(num_rows, -1, np.int64)
+    offset = np.zeros(write_rows.shape[0] + 1, np.int64)
+    for k in range(write_rows.shape[0]):
+        write_of[write_rows[k]] = k
+        offset[k + 1] = offset[k] + write_lengths[k]
+    return write_of, offset
+
+
+@njit(cache=True, nogil=True)
+def entries_after(  # pragma: no cover - compiled
+    filled: int,  # the row's filled entries before the step
+    k: int,  # its write (write_index), or -1
+    write_starts: np.ndarray,  # [k] int64 first entry each write writes
+    write_lengths: np.ndarray,  # [k] int64 ids each writes
+    replaced: np.ndarray,  # [k] bool the write replaces the whole table
+) -> tuple[int, int]:
+    """(kept, total) of a row's table after the step: the entries kept from the committed table (all of them
+    without a write, none where replaced, those before an append), then all its entries."""
+    if k < 0:
+        return filled, filled
+    kept = 0 if replaced[k] else write_starts[k]
+    return kept, kept + write_lengths[k]
+
+
+@njit(cache=True, nogil=True)
+def entry_after(  # pragma: no cover - compiled
+    table: np.ndarray, row: int, e: int, kept: int, write_ids: np.ndarray, start: int
+) -> int:
+    """Entry e of the row's table after the step: the committed table's below `kept`, else the ids of the row's
+    write, which begin at `start` among the writes' ids."""
+    return table[row, e] if e < kept else write_ids[start + e - kept]
+
+
 def held_in_two_groups(state: PoolState, plan: StepPlan) -> bool:
     """With one block pool, for a pool too large for fast/one_pool.py's marks: some id held by a scheduled request in
     one group is held in another group too, by sorting the (id, group) pairs of every held entry."""
@@ -384,18 +425,13 @@ def _held_pairs(  # pragma: no cover - compiled; tested through plan_bulk_step a
 ) -> int:
     """Group `group`'s held ids after the step (non-null, from each request's first live entry on), recorded as
     (id, group) pairs from `count` on; the new count."""
-    write_of = np.full(table.shape[0], -1, np.int64)  # req_state_idx -> its write, or -1
-    offset = np.zeros(write_rows.shape[0] + 1, np.int64)
-    for k in range(write_rows.shape[0]):
-        write_of[write_rows[k]] = k
-        offset[k + 1] = offset[k] + write_lengths[k]
+    write_of, offset = write_index(table.shape[0], write_rows, write_lengths)
     for i in range(rows.shape[0]):
         row, k = rows[i], write_of[rows[i]]
-        kept = num_blocks[row] if k < 0 else (0 if replaced[k] else write_starts[k])
-        total = kept + (0 if k < 0 else write_lengths[k])
+        kept, total = entries_after(num_blocks[row], k, write_starts, write_lengths, replaced)
         lo = 0 if window == 0 else max(0, num_computed[i] - window + 1) // block_size
         for e in range(lo, total):
-            block = table[row, e] if e < kept else write_ids[offset[k] + e - kept]
+            block = entry_after(table, row, e, kept, write_ids, offset[max(k, 0)])
             if block != NULL_BLOCK_ID:
                 touched[count] = block * num_groups + group
                 count += 1

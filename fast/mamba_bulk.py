@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from numba import njit
 
-from fast.bulk_checks import written_twice
+from fast.bulk_checks import entries_after, entry_after, write_index, written_twice
 from fast.bulk_read import EMPTY
 from fast.fallback import Fallback
 from spec.mamba import MAMBA, NO_STATE, MambaSteps
@@ -113,16 +113,12 @@ def _check_states(  # pragma: no cover - compiled; tested through the pool again
     """Checks 10 (drafts within the speculative blocks), 11 (the table reaches the read column and the last
     written one), 12 (neither is the null block) for one mamba group, on the tables after the step: the count
     of state blocks written (into `written`), or -1 at the first failure."""
-    write_of = np.full(table.shape[0], -1, np.int64)  # req_state_idx -> its write, or -1
-    offset = np.zeros(write_rows.shape[0] + 1, np.int64)
-    for k in range(write_rows.shape[0]):
-        write_of[write_rows[k]] = k
-        offset[k + 1] = offset[k] + write_lengths[k]
+    write_of, offset = write_index(table.shape[0], write_rows, write_lengths)
     w = 0
     for i in range(rows.shape[0]):
         row, k = rows[i], write_of[rows[i]]
-        kept = num_blocks[row] if k < 0 else (0 if replaced[k] else write_starts[k])
-        total = kept + (0 if k < 0 else write_lengths[k])
+        kept, total = entries_after(num_blocks[row], k, write_starts, write_lengths, replaced)
+        start = offset[max(k, 0)]  # where its write's ids begin
         drafts = num_drafts[i] if num_drafts.shape[0] else 0
         if drafts > speculative_blocks:
             return -1
@@ -133,12 +129,10 @@ def _check_states(  # pragma: no cover - compiled; tested through the pool again
             return -1
         # the read column: a continuing row's last step wrote it (checked non-null then; tables only grow), a new
         # request's table passed the attention checks, which refuse a null entry: kept for when they allow one
-        if read != NO_STATE:
-            block = table[row, read] if read < kept else write_ids[offset[k] + read - kept]
-            if block == NULL_BLOCK_ID:
-                return -1
+        if read != NO_STATE and entry_after(table, row, read, kept, write_ids, start) == NULL_BLOCK_ID:
+            return -1
         for e in range(write, write + drafts + 1):
-            block = table[row, e] if e < kept else write_ids[offset[k] + e - kept]
+            block = entry_after(table, row, e, kept, write_ids, start)
             if block == NULL_BLOCK_ID:
                 return -1
             written[w] = block

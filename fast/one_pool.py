@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from fast.bulk_checks import entries_after, entry_after, write_index
 from spec.state import PoolState, StepPlan
 from spec.types import NULL_BLOCK_ID, WorkerConfig
 
@@ -162,21 +163,16 @@ def _mark_new(  # pragma: no cover - compiled; tested through the pool against s
 ) -> bool:
     """The ids each scheduled row holds after the step and its marks lack, marked; True at the first id another
     group holds."""
-    write_of = np.full(table.shape[0], -1, np.int64)  # req_state_idx -> its write, or -1
-    offset = np.zeros(write_rows.shape[0] + 1, np.int64)
-    for k in range(write_rows.shape[0]):
-        write_of[write_rows[k]] = k
-        offset[k + 1] = offset[k] + write_lengths[k]
+    write_of, offset = write_index(table.shape[0], write_rows, write_lengths)
     for i in range(rows.shape[0]):
         row, k = rows[i], write_of[rows[i]]
-        kept = num_blocks[row] if k < 0 else (0 if replaced[k] else write_starts[k])
-        total = kept + (0 if k < 0 else write_lengths[k])
+        kept, total = entries_after(num_blocks[row], k, write_starts, write_lengths, replaced)
         lo = _live_from(num_computed[i], block_size, window)
         # a staying row's entries [lo, end) are marked already (_unmark_moved removed those below lo): its
         # appended ones follow; any other row is marked from lo on
         start = max(lo, end[row]) if marked[row] and first[row] != end[row] else lo
         for e in range(start, total):
-            block = table[row, e] if e < kept else write_ids[offset[k] + e - kept]
+            block = entry_after(table, row, e, kept, write_ids, offset[max(k, 0)])
             if block == NULL_BLOCK_ID:
                 continue
             if owner[block] != 0 and owner[block] != mark:
