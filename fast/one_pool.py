@@ -2,8 +2,8 @@
 
 spec's check marks every id each scheduled request holds after the step (its table's non-null entries from
 the first live one on) and refuses an id held in two groups. Made afresh each step that costs the blocks held,
-which grow with the context: at 256 decodes of 1k-4k tokens (two groups of 16, one with a window of 1024) it
-was half the host step. `HeldIds` keeps the marks of the last committed step, with a count per id (requests
+which grow with the context (host workload decode-256-pool2, docs/performance.md). `HeldIds` keeps the marks of
+the last committed step, with a count per id (requests
 share a block within a group), and a step changes only what moved: entries a window released, rows that
 left or joined the batch (whole tables replaced: new and resumed requests), appended ids. A clash needs an
 id that is new to the marks (two old ones were checked together last step), so the additions are the ones
