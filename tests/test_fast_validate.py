@@ -211,23 +211,25 @@ def _two_decoding_requests() -> tuple[WorkerConfig, SchedulerOutput, SchedulerOu
     return config, first, ok
 
 
-DECODE_CASES = {
+DECODE_CASES = {  # (spec's error, the changed requests, the bulk check that refuses it: fast/fallback.py)
     # both requests append block 3 and write its offset 0
-    "duplicate slot": (DuplicateSlotError, {"B": CachedRequest("B", 4, ((3,), (6,)))}),
-    "missing block": (MissingBlockError, {"A": CachedRequest("A", 4, ((), (5,)))}),
-    "unknown token": (UnknownTokenError, {"A": CachedRequest("A", 5, ((3,), (5,)))}),
-    "block held twice": (BlockIdError, {"A": CachedRequest("A", 4, ((1,), (5,)))}),
-    "block out of range": (BlockIdError, {"A": CachedRequest("A", 4, ((16,), (5,)))}),
-    "null without window": (BlockIdError, {"A": CachedRequest("A", 4, ((0,), (5,)))}),
-    "null read in window": (NullBlockError, {"A": CachedRequest("A", 4, ((3,), (0,)))}),
-    "overflow": (BlockTableOverflowError, {"A": CachedRequest("A", 4, ((3, 5, 6, 7), (5,)))}),
-    "valid": (None, {}),
+    "duplicate slot": (DuplicateSlotError, {"B": CachedRequest("B", 4, ((3,), (6,)))}, Fallback.SHARED_BLOCK),
+    "missing block": (MissingBlockError, {"A": CachedRequest("A", 4, ((), (5,)))}, Fallback.TABLES),
+    "unknown token": (UnknownTokenError, {"A": CachedRequest("A", 5, ((3,), (5,)))}, Fallback.PROGRESS),
+    "block held twice": (BlockIdError, {"A": CachedRequest("A", 4, ((1,), (5,)))}, Fallback.TABLES),
+    "block out of range": (BlockIdError, {"A": CachedRequest("A", 4, ((16,), (5,)))}, Fallback.TABLES),
+    "null without window": (BlockIdError, {"A": CachedRequest("A", 4, ((0,), (5,)))}, Fallback.TABLES),
+    "null read in window": (NullBlockError, {"A": CachedRequest("A", 4, ((3,), (0,)))}, Fallback.TABLES),
+    "overflow": (BlockTableOverflowError, {"A": CachedRequest("A", 4, ((3, 5, 6, 7), (5,)))}, Fallback.TABLES),
+    "valid": (None, {}, None),
 }
 
 
 @pytest.mark.parametrize("case", sorted(DECODE_CASES))
 def test_decode_step_errors_match_spec(case: str) -> None:
-    error, changes = DECODE_CASES[case]
+    """spec's error, and the bulk check named for it: a check that lets a fault through to a later one (a missing
+    block read as an id past the appended ones) would still end in spec's error, by another fallback."""
+    error, changes, refused_by = DECODE_CASES[case]
     config, first, ok = _two_decoding_requests()
     bad = replace(ok, cached_requests=tuple(changes.get(c.req_id, c) for c in ok.cached_requests))
     with interpret(False):
@@ -237,6 +239,7 @@ def test_decode_step_errors_match_spec(case: str) -> None:
             pool.record_sampled(pool.prepare(first), np.array([9, 9]))
         _apply_to_both(spec_pool, fast_pool, bad, error)
     assert fast_pool.snapshot() == spec_pool.snapshot()
+    assert fast_pool.fallbacks == (Counter({refused_by: 1}) if refused_by else Counter())
 
 
 def _mixed_step() -> SchedulerOutput:
