@@ -16,6 +16,13 @@ from spec.types import NULL_BLOCK_ID, NewRequest
 
 
 @njit(cache=True, nogil=True)
+def live_from(num_computed: int, block_size: int, window: int) -> int:  # pragma: no cover - compiled
+    """The first table entry a request still holds at a step from `num_computed` (window 0: none; spec's
+    AttentionRules.live_from for a synchronous step)."""
+    return 0 if window == 0 else max(0, num_computed - window + 1) // block_size
+
+
+@njit(cache=True, nogil=True)
 def counts_in_budget(num_scheduled: np.ndarray, budget: int) -> bool:  # pragma: no cover - compiled
     """Checks 1 and 5 of the counts [n]: each at least 1, their sum within max_num_batched_tokens (one compiled
     pass: NumPy's min and sum are two calls of a few microseconds each on a step of a few rows)."""
@@ -160,7 +167,7 @@ def _check_new_tables(  # pragma: no cover - compiled; tested through plan_bulk_
         for block in table:
             if block < 0 or block >= num_blocks or (block == 0 and window == 0):
                 return failed  # out of range, or the null block outside a sliding-window group
-        read_from = 0 if window == 0 else max(0, num_computed[i] - window + 1) // block_size
+        read_from = live_from(num_computed[i], block_size, window)
         for e in range(read_from, last[i] // block_size + 1):
             if table[e] == 0:
                 return failed  # a token would read or write through the null block
@@ -234,7 +241,7 @@ def _check_cached_group(  # pragma: no cover - compiled; tested through plan_bul
         first, last_block = num_computed[i] // block_size, last[i] // block_size
         if count + added[i] > width or last_block >= count + added[i]:
             return False  # too many blocks for the table, or a missing block
-        lo = 0 if window == 0 else max(0, num_computed[i] - window + 1) // block_size  # first live entry
+        lo = live_from(num_computed[i], block_size, window)
         for j in range(added[i]):  # appended ids: in range, new among the live entries, not repeated
             block = ids[start_of[i] + j]
             if block <= 0 or block >= id_limit:
@@ -429,7 +436,7 @@ def _held_pairs(  # pragma: no cover - compiled; tested through plan_bulk_step a
     for i in range(rows.shape[0]):
         row, k = rows[i], write_of[rows[i]]
         kept, total = entries_after(num_blocks[row], k, write_starts, write_lengths, replaced)
-        lo = 0 if window == 0 else max(0, num_computed[i] - window + 1) // block_size
+        lo = live_from(num_computed[i], block_size, window)
         for e in range(lo, total):
             block = entry_after(table, row, e, kept, write_ids, offset[max(k, 0)])
             if block != NULL_BLOCK_ID:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from fast.bulk_checks import entries_after, entry_after, write_index
+from fast.bulk_checks import entries_after, entry_after, live_from, write_index
 from spec.state import PoolState, StepPlan
 from spec.types import NULL_BLOCK_ID, WorkerConfig
 
@@ -78,12 +78,6 @@ class HeldIds:
 
 
 @njit(cache=True, nogil=True)
-def _live_from(num_computed: int, block_size: int, window: int) -> int:  # pragma: no cover - compiled
-    """The first entry a request still holds (spec.group_rules.AttentionRules.live_from, synchronous steps)."""
-    return 0 if window == 0 else max(0, num_computed - window + 1) // block_size
-
-
-@njit(cache=True, nogil=True)
 def _unmark(  # pragma: no cover - compiled
     table: np.ndarray, row: int, lo: int, hi: int, owner: np.ndarray, count: np.ndarray
 ) -> None:
@@ -131,7 +125,7 @@ def _unmark_moved(  # pragma: no cover - compiled; tested through the pool again
         row = rows[i]
         if not marked[row] or first[row] == end[row] == 0:  # joining, or replaced just now: _mark_new marks it all
             continue
-        lo = _live_from(num_computed[i], block_size, window)
+        lo = live_from(num_computed[i], block_size, window)
         if lo < first[row]:  # an earlier start than the marks' (a count gone back): marked again from lo
             _unmark(table, row, first[row], end[row], owner, count)
             first[row] = end[row] = 0
@@ -167,7 +161,7 @@ def _mark_new(  # pragma: no cover - compiled; tested through the pool against s
     for i in range(rows.shape[0]):
         row, k = rows[i], write_of[rows[i]]
         kept, total = entries_after(num_blocks[row], k, write_starts, write_lengths, replaced)
-        lo = _live_from(num_computed[i], block_size, window)
+        lo = live_from(num_computed[i], block_size, window)
         # a staying row's entries [lo, end) are marked already (_unmark_moved removed those below lo): its
         # appended ones follow; any other row is marked from lo on
         start = max(lo, end[row]) if marked[row] and first[row] != end[row] else lo
