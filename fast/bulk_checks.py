@@ -23,6 +23,21 @@ def live_from(num_computed: int, block_size: int, window: int) -> int:  # pragma
 
 
 @njit(cache=True, nogil=True)
+def lowest_starts(  # pragma: no cover - compiled
+    rows: np.ndarray,  # [n] int64 req_state_idx of the cached requests
+    num_computed: np.ndarray,  # [n] int64 as the scheduler sends them
+    unverified: np.ndarray,  # [R] int64 drafts of each row whose verdict is unread (PoolState.num_unverified_drafts)
+) -> np.ndarray:
+    """[n] int64 the lowest position each cached request's step may start from once the verdicts are in (async
+    rule 4, spec.async_steps.lowest_start): the count less the row's unverified drafts. The bulk planner takes no
+    resumed request, whose count no verdict moves."""
+    out = np.empty(rows.shape[0], np.int64)
+    for i in range(rows.shape[0]):
+        out[i] = max(0, num_computed[i] - unverified[rows[i]])
+    return out
+
+
+@njit(cache=True, nogil=True)
 def counts_in_budget(num_scheduled: np.ndarray, budget: int) -> bool:  # pragma: no cover - compiled
     """Checks 1 and 5 of the counts [n]: each at least 1, their sum within max_num_batched_tokens (one compiled
     pass: NumPy's min and sum are two calls of a few microseconds each on a step of a few rows)."""
@@ -184,17 +199,19 @@ def check_group(
     g: int,
     rows: np.ndarray,  # [n] req_state_idx of the cached requests
     num_computed: np.ndarray,  # [n]
+    lowest: np.ndarray,  # [n] the lowest position each may start from (lowest_starts; num_computed when synchronous)
     last: np.ndarray,  # [n] last position each writes
     appended: tuple[np.ndarray, np.ndarray, np.ndarray],  # request index [a], lengths [a], ids
     released_tails: np.ndarray | None,  # [R] last released entry of every row, or None
 ) -> tuple[TableWrites, np.ndarray] | None:
-    """Checks 9-12 for group g's cached requests: their appends, and the physical blocks their tokens write."""
+    """Checks 9-12 for group g's cached requests: their appends, and the physical blocks their tokens write. The
+    window's reads (9, 12) are checked from `lowest`, the writes (13) at `num_computed` (async rule 4)."""
     group = state.config.kv_groups[g]
     app_req, lengths, ids = appended
     app_counts = np.empty(app_req.size, np.int64)  # [a] filled entries of each appending row before the step
     written = np.empty(_blocks_written(num_computed, last, group.block_size), np.int64)
     ok = _check_cached_group(
-        state.block_tables[g], state.num_blocks[g], rows, num_computed, last, app_req, lengths, ids,
+        state.block_tables[g], state.num_blocks[g], rows, num_computed, lowest, last, app_req, lengths, ids,
         min(group.num_blocks, 2**31), group.block_size, group.sliding_window or 0,
         _NO_TAILS if released_tails is None else released_tails, app_counts, written,
     )  # fmt: skip
@@ -213,6 +230,7 @@ def _check_cached_group(  # pragma: no cover - compiled; tested through plan_bul
     num_blocks: np.ndarray,  # [R] int64 filled entries per row
     rows: np.ndarray,  # [n] int64 req_state_idx
     num_computed: np.ndarray,  # [n] int64
+    lowest: np.ndarray,  # [n] int64 the lowest position each may start from: its window's reads are checked from there
     last: np.ndarray,  # [n] int64 last position each request writes
     app_req: np.ndarray,  # [a] int64 request index of each appending request
     lengths: np.ndarray,  # [a] int64 ids each appends (>= 1)
@@ -241,7 +259,7 @@ def _check_cached_group(  # pragma: no cover - compiled; tested through plan_bul
         first, last_block = num_computed[i] // block_size, last[i] // block_size
         if count + added[i] > width or last_block >= count + added[i]:
             return False  # too many blocks for the table, or a missing block
-        lo = live_from(num_computed[i], block_size, window)
+        lo = live_from(lowest[i], block_size, window)
         for j in range(added[i]):  # appended ids: in range, new among the live entries, not repeated
             block = ids[start_of[i] + j]
             if block <= 0 or block >= id_limit:
@@ -394,16 +412,17 @@ def entry_after(  # pragma: no cover - compiled
     return table[row, e] if e < kept else write_ids[start + e - kept]
 
 
-def held_in_two_groups(state: PoolState, plan: StepPlan) -> bool:
+def held_in_two_groups(state: PoolState, plan: StepPlan, lowest: np.ndarray) -> bool:
     """With one block pool, for a pool too large for fast/one_pool.py's marks: some id held by a scheduled request in
-    one group is held in another group too, by sorting the (id, group) pairs of every held entry."""
+    one group is held in another group too, by sorting the (id, group) pairs of every held entry. `lowest` [n]
+    (scheduler order) is the lowest position each request's step may start from (async rule 4)."""
     num_groups = len(state.config.kv_groups)
     touched = np.empty(sum(plan.rows.shape[0] * t.shape[1] for t in state.block_tables), np.int64)
     count = 0
     for g, group in enumerate(state.config.kv_groups):
         w = plan.tables[g]
         count = _held_pairs(
-            state.block_tables[g], state.num_blocks[g], plan.rows, plan.num_computed, w.rows, w.starts, w.lengths,
+            state.block_tables[g], state.num_blocks[g], plan.rows, lowest, w.rows, w.starts, w.lengths,
             w.ids, w.replaced, group.block_size, group.sliding_window or 0, g, num_groups, touched, count,
         )  # fmt: skip
     ids, groups = np.divmod(touched[:count], num_groups)
@@ -417,7 +436,7 @@ def _held_pairs(  # pragma: no cover - compiled; tested through plan_bulk_step a
     table: np.ndarray,  # [R, width] int32, the group's committed table
     num_blocks: np.ndarray,  # [R] int64 filled entries per row
     rows: np.ndarray,  # [n] int64 scheduler order -> req_state_idx
-    num_computed: np.ndarray,  # [n] int64 scheduler order
+    lowest: np.ndarray,  # [n] int64 scheduler order: the lowest position each step may start from
     write_rows: np.ndarray,  # [k] int64 req_state_idx of each table write
     write_starts: np.ndarray,  # [k] int64 first entry written
     write_lengths: np.ndarray,  # [k] int64 ids written
@@ -436,7 +455,7 @@ def _held_pairs(  # pragma: no cover - compiled; tested through plan_bulk_step a
     for i in range(rows.shape[0]):
         row, k = rows[i], write_of[rows[i]]
         kept, total = entries_after(num_blocks[row], k, write_starts, write_lengths, replaced)
-        lo = live_from(num_computed[i], block_size, window)
+        lo = live_from(lowest[i], block_size, window)
         for e in range(lo, total):
             block = entry_after(table, row, e, kept, write_ids, offset[max(k, 0)])
             if block != NULL_BLOCK_ID:

@@ -39,10 +39,6 @@ class FastFeature(Feature):
 
     placement: Placement
 
-    def bulk_planned(self) -> bool:
-        """fast's bulk planner may plan this pool's steps (`plans_in_bulk`, unless the pool's mode rules it out)."""
-        return self.plans_in_bulk
-
     def plan_in_bulk(self, state: PoolState, sched: SchedulerOutput, new_rows: np.ndarray, plan: StepPlan,
                      marks: np.ndarray | None) -> Any:  # fmt: skip
         """fast's bulk planner's `plan` (fast/validate.py), for a feature with `plans_in_bulk`: its part of the

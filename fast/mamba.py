@@ -1,9 +1,9 @@
 """Mamba state groups in fast (spec/mamba.py): the state indices of a batch, under Triton or in host mode.
 
-apply checks the groups' rules in bulk (fast/mamba_bulk.py; an async pool hands every step to spec's
-plan_step), so the plan carries spec's `MambaSteps`; prepare turns them into the batch's fields. Under
-Triton one small launch per mamba group reads the device tables (fast/kernels/mamba.py); in host mode
-the same gathers run as torch ops on the tables the device state shares with the host mirror.
+apply checks the groups' rules in bulk (fast/mamba_bulk.py), so the plan carries spec's `MambaSteps`;
+prepare turns them into the batch's fields. Under Triton one small launch per mamba group reads the device
+tables (fast/kernels/mamba.py); in host mode one compiled pass gathers them from the tables the device state
+shares with the host mirror.
 
 The read column and num_accepted_tokens depend on the count the step runs at, which under async scheduling is
 the device's (fast/async_steps.py corrects num_computed there; the host mirror learns the rejected drafts one
@@ -37,10 +37,6 @@ class FastMamba(FastFeature, Mamba):
     def __init__(self, config: WorkerConfig, placement: Placement) -> None:
         self.placement = placement
         Mamba.__init__(self, config)
-
-    def bulk_planned(self) -> bool:
-        """Not under async scheduling: a step's count may be corrected after it was sent (fast/mamba_bulk.py)."""
-        return not self.config.async_scheduling
 
     def plan_in_bulk(self, state: PoolState, sched: SchedulerOutput, new_rows: np.ndarray, plan: StepPlan,
                      marks: np.ndarray | None) -> MambaSteps | Fallback:  # fmt: skip

@@ -42,26 +42,27 @@ class HeldIds:
         self.remade = 0  # checks that marked every held id afresh (the first, and each after a step planned elsewhere)
         self._pending = False  # a check changed the marks for a plan not yet accepted
 
-    def clashes(self, state: PoolState, plan: StepPlan) -> bool:
-        """Some id a scheduled request holds after the step is held in another group too (plan_step names it)."""
+    def clashes(self, state: PoolState, plan: StepPlan, lowest: np.ndarray) -> bool:
+        """Some id a scheduled request holds after the step is held in another group too (plan_step names it).
+        `lowest` [n] (scheduler order): the lowest position each request's step may start from (async rule 4)."""
         if self._pending or not self._valid:  # marks of a step that was not committed, or none yet
             self.remade += 1
             self.owner.fill(0)
             self.count.fill(0)
             self.marked.fill(False)
         self._valid, self._pending = False, True  # until the step is accepted: no marks to trust if it is not
-        rows, num_computed, last_group = plan.rows, plan.num_computed, len(self._groups) - 1
+        rows, last_group = plan.rows, len(self._groups) - 1
         for g, block_size, window in self._groups:  # every removal first: a released id may be another group's now
             w = plan.tables[g]
             _unmark_moved(
                 state.block_tables[g], self.marked, self._scheduled, g == 0, self._first[g], self._end[g], rows,
-                num_computed, w.rows, w.replaced, block_size, window, self.owner, self.count,
+                lowest, w.rows, w.replaced, block_size, window, self.owner, self.count,
             )  # fmt: skip
         for g, block_size, window in self._groups:
             w = plan.tables[g]
             if _mark_new(
                 state.block_tables[g], state.num_blocks[g], self.marked, self._scheduled, g == last_group,
-                self._first[g], self._end[g], rows, num_computed, w.rows, w.starts, w.lengths, w.ids, w.replaced,
+                self._first[g], self._end[g], rows, lowest, w.rows, w.starts, w.lengths, w.ids, w.replaced,
                 block_size, window, g + 1, self.owner, self.count,
             ):  # fmt: skip
                 return True  # the marks are half made: made afresh next time
@@ -99,7 +100,7 @@ def _unmark_moved(  # pragma: no cover - compiled; tested through the pool again
     first: np.ndarray,  # [R] int64 first marked entry per row (this group)
     end: np.ndarray,  # [R] int64 past the last marked entry per row
     rows: np.ndarray,  # [n] int64 scheduler order -> req_state_idx
-    num_computed: np.ndarray,  # [n] int64 scheduler order
+    lowest: np.ndarray,  # [n] int64 scheduler order: the lowest position each step may start from
     write_rows: np.ndarray,  # [k] int64 req_state_idx of each table write
     replaced: np.ndarray,  # [k] bool the write replaces the whole table
     block_size: int,
@@ -125,7 +126,7 @@ def _unmark_moved(  # pragma: no cover - compiled; tested through the pool again
         row = rows[i]
         if not marked[row] or first[row] == end[row] == 0:  # joining, or replaced just now: _mark_new marks it all
             continue
-        lo = live_from(num_computed[i], block_size, window)
+        lo = live_from(lowest[i], block_size, window)
         if lo < first[row]:  # an earlier start than the marks' (a count gone back): marked again from lo
             _unmark(table, row, first[row], end[row], owner, count)
             first[row] = end[row] = 0
@@ -143,7 +144,7 @@ def _mark_new(  # pragma: no cover - compiled; tested through the pool against s
     first: np.ndarray,  # [R] int64 in/out first marked entry per row (this group)
     end: np.ndarray,  # [R] int64 in/out past the last marked entry
     rows: np.ndarray,  # [n] int64 scheduler order -> req_state_idx
-    num_computed: np.ndarray,  # [n] int64 scheduler order
+    lowest: np.ndarray,  # [n] int64 scheduler order: the lowest position each step may start from
     write_rows: np.ndarray,  # [k] int64 req_state_idx of each table write
     write_starts: np.ndarray,  # [k] int64 first entry written
     write_lengths: np.ndarray,  # [k] int64 ids written
@@ -161,7 +162,7 @@ def _mark_new(  # pragma: no cover - compiled; tested through the pool against s
     for i in range(rows.shape[0]):
         row, k = rows[i], write_of[rows[i]]
         kept, total = entries_after(num_blocks[row], k, write_starts, write_lengths, replaced)
-        lo = live_from(num_computed[i], block_size, window)
+        lo = live_from(lowest[i], block_size, window)
         # a staying row's entries [lo, end) are marked already (_unmark_moved removed those below lo): its
         # appended ones follow; any other row is marked from lo on
         start = max(lo, end[row]) if marked[row] and first[row] != end[row] else lo

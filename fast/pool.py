@@ -112,9 +112,7 @@ class RequestStatePool:
 
     def _plan_step(self, sched: SchedulerOutput) -> StepPlan:
         """The bulk planner's plan; where it falls back, spec's plan_step's (its error, or it accepts), counted."""
-        planned = self.mode.bulk_fallback(self.state, sched) or plan_bulk_step(
-            self.state, sched, self.features, self.released.tails, self._planner
-        )
+        planned = plan_bulk_step(self.state, sched, self.features, self.released.tails, self._planner)
         if isinstance(planned, StepPlan):
             refused = self.mode.vouch(self.state, planned)  # async scheduling's own checks (fast/step_modes.py)
             if refused is None:

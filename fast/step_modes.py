@@ -21,7 +21,7 @@ from spec.async_steps import forget_unrecorded
 from spec.drafts import accepted_rows, proposed_ids, token_rows
 from spec.errors import InconsistentSchedulerOutputError
 from spec.state import PoolState, StepPlan
-from spec.types import SchedulerOutput, WorkerConfig
+from spec.types import WorkerConfig
 
 _NO_DRAFTS = np.zeros(0, np.int64)  # a step without drafts: none per row (read as 0), no ids
 _INTEGER_DTYPES = frozenset(
@@ -32,10 +32,6 @@ _INTEGER_DTYPES = frozenset(
 class StepMode(Protocol):
     def before_apply(self, state: PoolState, applied_steps: int) -> None:
         """Before validation: what the host learns now of earlier records (a fault due now raises)."""
-
-    def bulk_fallback(self, state: PoolState, sched: SchedulerOutput) -> Fallback | None:
-        """Why the bulk planner (fast/validate.py) cannot model the step in this mode; None: it can."""
-        ...
 
     def vouch(self, state: PoolState, plan: StepPlan) -> Fallback | None:
         """The mode's own checks of a plan the bulk planner made; a Fallback hands the step to spec's plan_step."""
@@ -84,9 +80,6 @@ class InStep:
 
     def before_apply(self, state: PoolState, applied_steps: int) -> None:
         return
-
-    def bulk_fallback(self, state: PoolState, sched: SchedulerOutput) -> Fallback | None:
-        return None
 
     def vouch(self, state: PoolState, plan: StepPlan) -> Fallback | None:
         return None
@@ -141,8 +134,6 @@ class Ahead:
     def __init__(self, config: WorkerConfig, dev: DeviceState, host_mode: bool, interpreted: bool) -> None:
         self.dev = dev
         self.state = AheadState(config, dev, host_mode, interpreted)
-        # a group whose checks read every count a verdict may give: a window (rule 4) or mamba states
-        self._verdict_reads = any(g.sliding_window is not None or g.kind == "mamba" for g in config.kv_groups)
         self._placeholders_applied = False  # the step applied last has placeholder drafts (rule 8)
         self.recorded = False  # the last step applied had its batch recorded: its samples may be pending (rule 3)
         self._pending = np.zeros(0, np.int32)  # [2 num_reqs] rule 3's indices | sources, reused
@@ -150,13 +141,6 @@ class Ahead:
 
     def before_apply(self, state: PoolState, applied_steps: int) -> None:
         self.state.read_due(state, applied_steps)  # the copies of records a step old: the mirror learns verdicts
-
-    def bulk_fallback(self, state: PoolState, sched: SchedulerOutput) -> Fallback | None:
-        # spec's plan_step decides what the bulk path does not model: windows and mamba states checked for every
-        # count a verdict may give (rule 4; spec/mamba.py)
-        if self.state.unverified and self._verdict_reads:
-            return Fallback.ASYNC_DRAFTS
-        return None
 
     def vouch(self, state: PoolState, plan: StepPlan) -> Fallback | None:
         """Rules 5, 7 and 8 (check 8) on the bulk planner's plan, one compiled pass; spec names any fault."""

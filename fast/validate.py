@@ -8,10 +8,14 @@ never raises: where the output has a shape it does not model, or where a check f
 in spec's order or accepts the step. Both give the same spec.state.StepPlan, so a step accepted here is
 one plan_step accepts, with the same effect.
 
-A model-kind feature (spec/feature.py) is planned here when its checks are all made on the request's
-fields (`Feature.plans_in_bulk`) and the step's new requests bring none of them: its part of the plan is
-then its own `plan` hook's. A feature with groups of its own (cross-attention, mamba) leaves every step
-to plan_step.
+A model-kind feature (spec/feature.py) is planned here when it says so (`Feature.plans_in_bulk`) and the
+step's new requests bring none of its fields: its part of the plan is then its `plan_in_bulk`'s
+(fast/feature.py), which checks the rules of any group it owns (mamba: fast/mamba_bulk.py). A feature
+without (cross-attention) leaves every step to plan_step.
+
+Under async scheduling a continuing request whose last drafts' verdict is unread may start anywhere from its
+count less those drafts (rule 4): its window's reads, and with one block pool the ids it holds, are checked
+from that lowest start, as spec's are; what it writes, at the count sent.
 
 It relies on invariants of the pool state that plan_step and the commit establish:
 - every committed table passed the block-id checks, so only appended ids need checking against it,
@@ -40,6 +44,7 @@ from fast.bulk_checks import (
     check_progress,
     counts_in_budget,
     held_in_two_groups,
+    lowest_starts,
     merge,
     written_twice,
 )
@@ -108,7 +113,7 @@ def plan_bulk_step(
 ) -> StepPlan | Fallback:
     config = state.config
     memory = memory or PlannerMemory(config)
-    if features and not all(f.bulk_planned() if isinstance(f, FastFeature) else f.plans_in_bulk for f in features):
+    if features and not all(f.plans_in_bulk for f in features):
         return Fallback.FEATURE
     scheduled, new, finished = sched.num_scheduled_tokens, sched.new_requests, sched.finished_req_ids
     if type(scheduled) is not dict or type(new) not in SEQUENCES or type(finished) not in (frozenset, set):
@@ -175,6 +180,9 @@ def plan_bulk_step(
         return Fallback.DRAFTS
     num_drafts, draft_ids = drafts
     cached_drafts = EMPTY if num_drafts is None else num_drafts[cached_at]
+    # [n] the lowest position each cached request's step may start from: under async scheduling its count less the
+    # drafts whose verdict is unread (rule 4: its window's reads are checked from there)
+    lowest = lowest_starts(rows, num_computed, state.num_unverified_drafts) if config.async_scheduling else num_computed
     last = np.empty(n, np.int64)  # [n] last position each cached request writes
     limits = (config.max_model_len, state.num_known_tokens)
     if not check_progress(rows, num_computed, num_scheduled[cached_at], cached_drafts, *limits, last):
@@ -191,7 +199,7 @@ def plan_bulk_step(
     tables = []
     for g in range(len(config.kv_groups)):
         tails = released_tails[g] if released_tails is not None else None
-        checked = check_group(state, g, rows, num_computed, last, appends[g], tails)
+        checked = check_group(state, g, rows, num_computed, lowest, last, appends[g], tails)
         if checked is None:
             return Fallback.TABLES
         appended, written = checked
@@ -199,11 +207,15 @@ def plan_bulk_step(
             return Fallback.SHARED_BLOCK  # a block written by two requests: plan_step checks per slot
         tables.append(merge(new_rows, new_writes[g], appended) if num_new else appended)
     if not num_new and type(cached_at) is slice:  # the cached requests come in the scheduler's order
-        sched_rows, sched_computed = rows, num_computed
-    else:  # scheduler order from the cached and the new requests' parts
+        sched_rows, sched_computed, sched_lowest = rows, num_computed, lowest
+    else:  # scheduler order from the cached and the new requests' parts (a new request's count is exact)
         sched_rows, sched_computed = np.empty(n + num_new, np.int64), np.empty(n + num_new, np.int64)
         sched_rows[cached_at], sched_rows[new_at] = rows, new_rows
         sched_computed[cached_at], sched_computed[new_at] = num_computed, new_computed
+        sched_lowest = sched_computed
+        if lowest is not num_computed:
+            sched_lowest = sched_computed.copy()
+            sched_lowest[cached_at] = lowest
     plan = new_plan(
         freed_rows=freed_rows,
         new_req_ids=tuple(new_ids),
@@ -220,7 +232,8 @@ def plan_bulk_step(
     )
     if config.one_block_pool and len(config.kv_groups) > 1:
         held = memory.held
-        if held.clashes(state, plan) if held is not None else held_in_two_groups(state, plan):
+        clash = held.clashes if held is not None else held_in_two_groups
+        if clash(state, plan, sched_lowest):
             return Fallback.ONE_POOL  # plan_step names the first such entry and its holder
     if not features:
         return plan

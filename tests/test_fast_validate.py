@@ -407,8 +407,8 @@ def test_each_fallback_is_named_and_counted(case: str) -> None:
 
 
 def test_fallbacks_of_shapes_the_bulk_planner_leaves() -> None:
-    """A resumed request, a feature's fields, a feature's group under async scheduling, and async drafts: named,
-    counted, then spec's."""
+    """A resumed request, a feature's fields, a feature's group the bulk planner does not check: named, counted, then
+    spec's."""
     config, first, _ = _two_decoding_requests()
     step = _mixed_step()
     resumed = replace(step, cached_requests=(CachedRequest("B", 4, ((4,), (6,)), resumed=True),))
@@ -422,13 +422,12 @@ def test_fallbacks_of_shapes_the_bulk_planner_leaves() -> None:
             with contextlib.suppress(ScheduleError):
                 fast_pool.apply(sched)
             assert fast_pool.fallbacks == Counter({want: 1}) and not want.failed_check
-    # a mamba group's rules under async scheduling (every count a verdict may give): plan_step's alone
-    mamba = WorkerConfig(4, 16, 32, 50, (KVCacheGroup(4, 16), KVCacheGroup(4, 16, kind="mamba")), async_scheduling=True)
+    # a cross-attention group's rules: plan_step's alone
+    groups = (KVCacheGroup(4, 16), KVCacheGroup(4, 16, kind="cross_attention"))
     with interpret(False):
-        pool = fast.RequestStatePool(mamba)
-        new = NewRequest("A", (1, 2), ((1,), (2,)))
-        with contextlib.suppress(ScheduleError):
-            pool.apply(SchedulerOutput(new_requests=(new,), num_scheduled_tokens={"A": 2}))
+        pool = fast.RequestStatePool(WorkerConfig(4, 16, 32, 50, groups, max_encoder_len=8))
+        new = NewRequest("A", (1, 2), ((1,), (2,)), encoder_len=3)
+        pool.apply(SchedulerOutput(new_requests=(new,), num_scheduled_tokens={"A": 2}))
     assert pool.fallbacks == Counter({Fallback.FEATURE: 1})
 
 
