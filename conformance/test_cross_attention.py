@@ -162,6 +162,12 @@ def _bad_steps() -> dict[str, tuple[WorkerConfig, SchedulerOutput, type[Schedule
             ModelLengthError,
             "encoder_len",
         ),
+        "encoder_len past max_encoder_len, its blocks within the table's width": (  # width: max_model_len's 8
+            _config(max_encoder_len=20),
+            one(new(21, cross=tuple(range(10, 16)))),
+            ModelLengthError,
+            "encoder_len",
+        ),
         "no encoder on a model with a cross group": (config, one(new(0)), ModelLengthError, "encoder_len"),
         "an encoder on a model without a cross group": (
             plain,

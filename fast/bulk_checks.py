@@ -86,10 +86,11 @@ def check_new_requests(
     new: tuple[NewRequest, ...] | list[NewRequest],  # [k]
     num_scheduled: np.ndarray,  # [k] >= 1
     num_drafts: np.ndarray | None,  # [k] drafts of each, or None: nobody drafts
+    by_position: tuple[bool, ...],  # [G] the group's tables are checked by the tokens' positions (PlannerMemory)
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[TableWrites], list[np.ndarray]] | None:
     """Checks 6-12 for the new requests (and 1 and 8 for their drafts). Returns their num_computed_tokens [k],
     prompt lengths [k], prompt tokens [sum] int32, per group their tables (as TableWrites, rows left to the
-    caller) and the physical blocks their tokens write."""
+    caller) and the physical blocks their tokens write (none in a group not checked by position)."""
     config = state.config
     k, num_groups = len(new), len(config.kv_groups)
     computed_in = [r.num_computed_tokens for r in new]
@@ -117,11 +118,11 @@ def check_new_requests(
         if joined is None:
             return None
         lengths, ids = joined
-        out = _check_new_tables(
+        ok, out = _check_new_tables(
             lengths, ids, num_computed, last, group.num_blocks, config.max_blocks_per_req(g), group.block_size,
-            group.sliding_window or 0,
+            group.sliding_window or 0, by_position[g],
         )  # fmt: skip
-        if not out.size:  # every new request writes a block: none written is a failed check
+        if not ok:
             return None
         written.append(out)
         replaced = np.ones(k, bool)  # whole tables, written from entry 0
@@ -168,30 +169,32 @@ def _check_new_tables(  # pragma: no cover - compiled; tested through plan_bulk_
     max_blocks: int,  # max_blocks_per_req of the group
     block_size: int,
     window: int,  # sliding window, 0 for none
-) -> np.ndarray:
-    """Checks 9-12 for one group's new tables, one pass. Returns [w] int64 the physical block of every (request,
-    block) the step writes, or an empty array at the first failure (plan_step names it)."""
-    failed = np.zeros(0, np.int64)
-    written = np.empty(_blocks_written(num_computed, last, block_size), np.int64)
+    by_position: bool,  # False: a feature's group checked by its own rules (ids and width only here, nothing written)
+) -> tuple[bool, np.ndarray]:
+    """Checks 9-12 for one group's new tables, one pass: (False at the first failure (plan_step names it), else True
+    and [w] int64 the physical block of every (request, block) the step's tokens write)."""
+    written = np.empty(_blocks_written(num_computed, last, block_size) if by_position else 0, np.int64)
     start, w = 0, 0
     for i in range(lengths.shape[0]):
         table = ids[start : start + lengths[i]]
         start += lengths[i]
-        if table.shape[0] > max_blocks or last[i] // block_size >= table.shape[0]:
-            return failed  # too many blocks, or a missing one
+        if table.shape[0] > max_blocks or (by_position and last[i] // block_size >= table.shape[0]):
+            return False, written  # too many blocks, or a missing one
         for block in table:
             if block < 0 or block >= num_blocks or (block == 0 and window == 0):
-                return failed  # out of range, or the null block outside a sliding-window group
+                return False, written  # out of range, or the null block outside a sliding-window group
         read_from = live_from(num_computed[i], block_size, window)
+        if has_repeats(table[read_from:], NULL_BLOCK_ID):
+            return False, written  # a block twice among the entries not released by the window
+        if not by_position:
+            continue
         for e in range(read_from, last[i] // block_size + 1):
             if table[e] == 0:
-                return failed  # a token would read or write through the null block
-        if has_repeats(table[read_from:], NULL_BLOCK_ID):
-            return failed  # a block twice among the entries not released by the window
+                return False, written  # a token would read or write through the null block
         for e in range(num_computed[i] // block_size, last[i] // block_size + 1):
             written[w] = table[e]
             w += 1
-    return written
+    return True, written
 
 
 def check_group(
@@ -203,17 +206,18 @@ def check_group(
     last: np.ndarray,  # [n] last position each writes
     appended: tuple[np.ndarray, np.ndarray, np.ndarray],  # request index [a], lengths [a], ids
     released_tails: np.ndarray | None,  # [R] last released entry of every row, or None
+    by_position: bool = True,  # False: a feature's group checked by its own rules (ids and width only here)
 ) -> tuple[TableWrites, np.ndarray] | None:
     """Checks 9-12 for group g's cached requests: their appends, and the physical blocks their tokens write. The
     window's reads (9, 12) are checked from `lowest`, the writes (13) at `num_computed` (async rule 4)."""
     group = state.config.kv_groups[g]
     app_req, lengths, ids = appended
     app_counts = np.empty(app_req.size, np.int64)  # [a] filled entries of each appending row before the step
-    written = np.empty(_blocks_written(num_computed, last, group.block_size), np.int64)
+    written = np.empty(_blocks_written(num_computed, last, group.block_size) if by_position else 0, np.int64)
     ok = _check_cached_group(
         state.block_tables[g], state.num_blocks[g], rows, num_computed, lowest, last, app_req, lengths, ids,
         min(group.num_blocks, 2**31), group.block_size, group.sliding_window or 0,
-        _NO_TAILS if released_tails is None else released_tails, app_counts, written,
+        _NO_TAILS if released_tails is None else released_tails, by_position, app_counts, written,
     )  # fmt: skip
     if not ok:
         return None
@@ -239,6 +243,7 @@ def _check_cached_group(  # pragma: no cover - compiled; tested through plan_bul
     block_size: int,
     window: int,  # sliding window, 0 for none
     released_tails: np.ndarray,  # [R] last released entry per row (fast/released.py), or empty: scan
+    by_position: bool,  # False: a feature's group checked by its own rules (ids and width only here, nothing written)
     app_counts: np.ndarray,  # [a] int64 out: each appending row's filled entries before the step
     written: np.ndarray,  # [w] int64 out: the physical block of every (request, block) the step writes
 ) -> bool:
@@ -257,7 +262,7 @@ def _check_cached_group(  # pragma: no cover - compiled; tested through plan_bul
         row = rows[i]
         count = num_blocks[row]
         first, last_block = num_computed[i] // block_size, last[i] // block_size
-        if count + added[i] > width or last_block >= count + added[i]:
+        if count + added[i] > width or (by_position and last_block >= count + added[i]):
             return False  # too many blocks for the table, or a missing block
         lo = live_from(lowest[i], block_size, window)
         for j in range(added[i]):  # appended ids: in range, new among the live entries, not repeated
@@ -278,6 +283,8 @@ def _check_cached_group(  # pragma: no cover - compiled; tested through plan_bul
                     return False
             if has_repeats(table[row, lo:count], NULL_BLOCK_ID):
                 return False
+        if not by_position:
+            continue
         for block_index in range(first, last_block + 1):
             if block_index < count:
                 written[w] = table[row, block_index]

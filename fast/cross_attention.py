@@ -2,7 +2,8 @@
 
 They are computed on the host mirror, which holds every table prepare reads (fast/state.py), in a few
 vectorised NumPy calls, and go to the device in one copy; the cross group's slot_mappings[g] becomes
-PAD_SLOT_ID. The attention over the encoder's KV is fast/encoder_attention.py.
+PAD_SLOT_ID. The attention over the encoder's KV is fast/encoder_attention.py. apply checks the cross group's
+rules in bulk (fast/cross_bulk.py).
 """
 
 from __future__ import annotations
@@ -10,19 +11,32 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from fast.cross_bulk import plan_in_bulk
+from fast.fallback import Fallback
 from fast.feature import FastFeature, Placement
 from fast.runtime import upload
 from spec.cross_attention import CrossAttention, CrossInputs
 from spec.state import PoolState, StepPlan, ranges
-from spec.types import INDEX_DTYPE, PAD_SLOT_ID, BatchInputs, WorkerConfig
+from spec.types import INDEX_DTYPE, PAD_SLOT_ID, BatchInputs, SchedulerOutput, WorkerConfig
 
 
 class FastCrossAttention(FastFeature, CrossAttention):
-    """spec's cross-attention feature, its batch record built on the host mirror and uploaded in one copy."""
+    """spec's cross-attention feature, its rules checked in bulk (fast/cross_bulk.py), its batch record built on the
+    host mirror and uploaded in one copy."""
+
+    plans_in_bulk = True
+    reads_fields_in_bulk = True  # encoder_len
 
     def __init__(self, config: WorkerConfig, placement: Placement) -> None:
         self.placement = placement
         CrossAttention.__init__(self, config)
+
+    def own_tables(self) -> frozenset[int]:
+        return frozenset((self.group,))
+
+    def plan_in_bulk(self, state: PoolState, sched: SchedulerOutput, new_rows: np.ndarray, plan: StepPlan,
+                     marks: np.ndarray | None) -> np.ndarray | Fallback:  # fmt: skip
+        return plan_in_bulk(self, state, sched.new_requests, new_rows, plan, marks)
 
     def prepare(self, state: PoolState, plan: StepPlan, batch: BatchInputs, order: np.ndarray | None) -> CrossInputs:
         rows = plan.rows if order is None else plan.rows[order]  # [num_reqs] batch_idx -> req_state_idx, host copy

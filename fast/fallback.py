@@ -20,8 +20,8 @@ class Fallback(enum.Enum):
     """One reason the bulk planner hands a step to spec's plan_step."""
 
     # shapes the bulk planner does not model
-    FEATURE = "a model-kind feature whose rules only plan_step applies (a cross-attention group)"
-    FEATURE_FIELDS = "a new request brings a feature's fields (M-RoPE inputs, an encoder output)"
+    FEATURE = "a model-kind feature the bulk planner does not plan (`plans_in_bulk` false: spec's own, not fast's)"
+    FEATURE_FIELDS = "a new request brings a feature's fields its fast form does not read in bulk (M-RoPE inputs)"
     CONTAINERS = "the output's containers or requests are not the plain dict, list, tuple, set and dataclasses"
     CACHED_REQUESTS = "a resumed request, or cached requests' fields of types read one by one"
     REQUEST_KEYS = "no request scheduled, or num_scheduled_tokens' ids and counts not plain str and int"

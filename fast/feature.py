@@ -8,7 +8,7 @@ fast/cross_attention.py, fast/mamba.py. fast/pool.py calls them as spec's pool d
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
@@ -38,6 +38,14 @@ class FastFeature(Feature):
     """A spec feature's fast form (a subclass of both), built with the pool's placement."""
 
     placement: Placement
+    # its `plan_in_bulk` reads and checks the feature's fields of new requests (else a step whose new requests
+    # bring them goes to plan_step, which checks them)
+    reads_fields_in_bulk: ClassVar[bool] = False
+
+    def own_tables(self) -> frozenset[int]:
+        """The groups whose tables `plan_in_bulk` checks by the feature's own rules, where the decoder's tokens'
+        positions say nothing (the encoder's KV): the bulk planner checks only their ids and width."""
+        return frozenset()
 
     def plan_in_bulk(self, state: PoolState, sched: SchedulerOutput, new_rows: np.ndarray, plan: StepPlan,
                      marks: np.ndarray | None) -> Any:  # fmt: skip

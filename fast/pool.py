@@ -84,7 +84,7 @@ class RequestStatePool:
         self.released = ReleasedTails(config)  # the validator's per-row cache of released entries
         # every apply the bulk planner handed to spec's plan_step, accepted or refused, by reason (fast/fallback.py)
         self.fallbacks: Counter[Fallback] = Counter()
-        self._planner = PlannerMemory(config)  # the bulk planner's scratch maps and last rows (fast/validate.py)
+        self._planner = PlannerMemory(config, self.features)  # the bulk planner's scratch maps, last rows (validate.py)
         # the buffers batches are handed out in, reused from step to step: compiled loops over the mirror's
         # memory in host mode (fast/host_prepare.py), one launch into device buffers under Triton (kernel_prepare.py)
         self._batch_buffers = HostBatch() if self.host_mode else DeviceBatch(self.dev, self._interpret)
@@ -158,13 +158,16 @@ class RequestStatePool:
         req_ids = plan.req_ids if order is None else itemgetter(*order)(plan.req_ids)  # order: 2+ entries
         cu_num_tokens = num_scheduled.cumsum()  # [num_reqs] int64
         num_tokens = int(cu_num_tokens[-1]) if index_mapping.size else 0
+        # a bad pad_to is refused here, before the classifier writes its reused buffer (the last batch's flags)
+        padded = padded_tokens(pad_to, num_tokens)
         # [num_reqs] int64 as the host counts (optimistically, under async scheduling: spec/async_steps.py)
         computed = plan.num_computed if order is None else plan.num_computed[order]
         seq_lens = computed + num_scheduled
         decode_query_len = step_decode_query_len(plan.num_drafts) if graphs is None else graphs.uniform_decode_query_len
         classes = self._classify(num_scheduled, computed, self.state.prompt_lens[index_mapping], decode_query_len)
         descriptor = None if graphs is None else self._dispatch(graphs, num_tokens, len(req_ids), classes)
-        padded = padded_tokens(pad_to, num_tokens) if descriptor is None else descriptor.num_tokens
+        if descriptor is not None:
+            padded = descriptor.num_tokens
         # fields beyond the plain batch's: a drafting step's sampler indices, async scheduling's pending tokens
         fields: dict[str, Any] = self.mode.batch_fields(
             self.state, index_mapping, computed, cu_num_tokens, num_scheduled

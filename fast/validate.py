@@ -77,7 +77,17 @@ class PlannerMemory:
     the ids the last step's requests hold (fast/one_pool.py; past MAX_HELD_MAP ids, sorted each step), and the
     last step's continuing rows (fast/bulk_read.py RowMemo), told of every freed row by the pool's commit."""
 
-    def __init__(self, config: WorkerConfig) -> None:
+    def __init__(self, config: WorkerConfig, features: Sequence[Feature] = ()) -> None:
+        fast_features = [f for f in features if isinstance(f, FastFeature)]
+        owned = frozenset().union(*(f.own_tables() for f in fast_features))
+        # [G] the group's tables are checked by the tokens' positions (not a group a feature checks itself)
+        self.by_position = tuple(g not in owned for g in range(len(config.kv_groups)))
+        # the known features whose fields of new requests the pool's features read in bulk
+        self.fields_read = frozenset(
+            kind
+            for kind in known_features()
+            if any(isinstance(f, kind) and f.reads_fields_in_bulk for f in fast_features)
+        )
         pooled = config.one_block_pool and len(config.kv_groups) > 1
         num_ids = max(group.num_blocks for group in config.kv_groups)
         self.held = HeldIds(config) if pooled and num_ids <= MAX_HELD_MAP else None
@@ -112,7 +122,7 @@ def plan_bulk_step(
     memory: PlannerMemory | None = None,  # the pool's: its commit tells the row memo which rows it frees
 ) -> StepPlan | Fallback:
     config = state.config
-    memory = memory or PlannerMemory(config)
+    memory = memory or PlannerMemory(config, features)
     if features and not all(f.plans_in_bulk for f in features):
         return Fallback.FEATURE
     scheduled, new, finished = sched.num_scheduled_tokens, sched.new_requests, sched.finished_req_ids
@@ -121,8 +131,9 @@ def plan_bulk_step(
     num_new = len(new)
     if num_new and set(map(type, new)) != {NewRequest}:
         return Fallback.CONTAINERS
-    # every known feature's fields, configured or not: one on a model without the feature is check 1's to refuse
-    if num_new and any(kind.fields_given(new) for kind in known_features()):
+    # every known feature's fields, configured or not (one on a model without the feature is check 1's to refuse),
+    # but those the pool's features read themselves
+    if num_new and any(kind.fields_given(new) for kind in known_features() if kind not in memory.fields_read):
         return Fallback.FEATURE_FIELDS
     cached = read_cached(sched.cached_requests)
     if cached is None:
@@ -191,7 +202,9 @@ def plan_bulk_step(
     if appends is None:
         return Fallback.BLOCK_IDS
     new_drafts = None if num_drafts is None else num_drafts[new_at]
-    prompts = check_new_requests(state, new, num_scheduled[new_at], new_drafts) if num_new else NO_NEW
+    prompts = (
+        check_new_requests(state, new, num_scheduled[new_at], new_drafts, memory.by_position) if num_new else NO_NEW
+    )
     if prompts is None:
         return Fallback.NEW_REQUESTS
     new_computed, prompt_lens, prompt_tokens, new_writes, new_written = prompts
@@ -199,7 +212,7 @@ def plan_bulk_step(
     tables = []
     for g in range(len(config.kv_groups)):
         tails = released_tails[g] if released_tails is not None else None
-        checked = check_group(state, g, rows, num_computed, lowest, last, appends[g], tails)
+        checked = check_group(state, g, rows, num_computed, lowest, last, appends[g], tails, memory.by_position[g])
         if checked is None:
             return Fallback.TABLES
         appended, written = checked

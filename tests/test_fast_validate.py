@@ -46,6 +46,7 @@ from spec.errors import (
     UnknownRequestError,
     UnknownTokenError,
 )
+from spec.model_kinds import features_for
 from spec.state import PoolState, StepPlan, TableWrites
 from spec.types import CachedRequest, KVCacheGroup, NewRequest, SchedulerOutput, WorkerConfig
 from spec.validate import plan_step
@@ -407,7 +408,7 @@ def test_each_fallback_is_named_and_counted(case: str) -> None:
 
 
 def test_fallbacks_of_shapes_the_bulk_planner_leaves() -> None:
-    """A resumed request, a feature's fields, a feature's group the bulk planner does not check: named, counted, then
+    """A resumed request, a feature's fields, a feature whose group only plan_step checks: named, counted, then
     spec's."""
     config, first, _ = _two_decoding_requests()
     step = _mixed_step()
@@ -422,13 +423,16 @@ def test_fallbacks_of_shapes_the_bulk_planner_leaves() -> None:
             with contextlib.suppress(ScheduleError):
                 fast_pool.apply(sched)
             assert fast_pool.fallbacks == Counter({want: 1}) and not want.failed_check
-    # a cross-attention group's rules: plan_step's alone
-    groups = (KVCacheGroup(4, 16), KVCacheGroup(4, 16, kind="cross_attention"))
+    # a feature whose group only plan_step checks (spec's cross-attention; fast's checks it in bulk)
+    cross = WorkerConfig(4, 16, 32, 50, (KVCacheGroup(4, 16), KVCacheGroup(4, 16, kind="cross_attention")),
+                         max_encoder_len=8)  # fmt: skip
+    start = SchedulerOutput(new_requests=(NewRequest("A", (1, 2), ((1,), (2,)), encoder_len=3),),
+                            num_scheduled_tokens={"A": 2})  # fmt: skip
     with interpret(False):
-        pool = fast.RequestStatePool(WorkerConfig(4, 16, 32, 50, groups, max_encoder_len=8))
-        new = NewRequest("A", (1, 2), ((1,), (2,)), encoder_len=3)
-        pool.apply(SchedulerOutput(new_requests=(new,), num_scheduled_tokens={"A": 2}))
-    assert pool.fallbacks == Counter({Fallback.FEATURE: 1})
+        pool = fast.RequestStatePool(cross)
+        assert plan_bulk_step(pool.state, start, features_for(cross)) is Fallback.FEATURE
+        pool.apply(start)
+    assert pool.fallbacks == Counter()
 
 
 def _apply_to_both(spec_pool: Any, fast_pool: Any, sched: Any, error: Any) -> None:

@@ -15,6 +15,7 @@ import pytest
 import fast
 import spec
 from conformance.backends import BackendHandle, fast_handle
+from shadow.compare import copy_batch, differing_fields
 from spec.classify import classify
 from spec.dummy import dummy_batch
 from spec.errors import InconsistentSchedulerOutputError
@@ -305,6 +306,26 @@ def test_pad_to_and_graphs_together_are_refused_and_change_nothing(handle: Backe
     assert pool.snapshot() == before
     b = handle.batch_to_numpy(pool.prepare(sched))  # the step still prepares, as if nothing had been asked
     assert b["descriptor"] is None and b["num_tokens_padded"] == 3 and b["seq_lens"].tolist() == [3]
+
+
+def test_a_refused_pad_to_leaves_the_batch_prepared_with_graphs_as_it_was(handle: BackendHandle) -> None:
+    # a decode of 2 tokens (a token and a draft): no decode row for graphs captured for 1-token decodes, but one for
+    # the step's own decode length (2). A prepare of the same step with a bad pad_to, which classifies with the
+    # step's own, is refused and changes nothing of the batch prepared with the graphs.
+    pool = handle.make_pool(CONFIG)
+    first = SchedulerOutput(new_requests=(_new("a", 3, (1,)),), num_scheduled_tokens={"a": 3})
+    pool.apply(first)
+    pool.record_sampled(pool.prepare(first), handle.asarray(np.array([5])))
+    drafting = SchedulerOutput(cached_requests=(CachedRequest("a", 3, ((2,),)),), num_scheduled_tokens={"a": 2},
+                               scheduled_spec_decode_tokens={"a": (7,)})  # fmt: skip
+    pool.apply(drafting)
+    batch = pool.prepare(drafting, graphs=CapturedGraphs((2, 4), max_num_reqs=2, mode="FULL"))
+    want = copy_batch(handle.batch_to_numpy(batch))
+    assert want["row_classes.is_decode"].tolist() == [False]
+    for bad in (1.5, 1):
+        with pytest.raises(InconsistentSchedulerOutputError, match="pad_to"):
+            pool.prepare(drafting, bad)  # type: ignore[arg-type]
+        assert not differing_fields(want, handle.batch_to_numpy(batch)), bad
 
 
 def test_a_batch_without_graphs_is_unpadded_in_its_rows(handle: BackendHandle) -> None:
