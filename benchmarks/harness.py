@@ -3,21 +3,49 @@
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import pytest
-
-from benchmarks.workloads import Workload
 
 MIN_ROUNDS = 3
 MAX_ROUNDS = 200  # stays well inside workloads.MAX_STREAM_STEPS
 
 
+class Case(Protocol):
+    """A workload as a parametrised case names it (benchmarks.workloads.Workload, feature_workloads.FeatureWorkload)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def quick(self) -> bool: ...
+
+
+class Shape(Protocol):
+    """What `record` states of a workload: benchmarks.workloads.Workload, or a recorded trace's steady state."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def kind(self) -> str: ...
+
+    @property
+    def num_reqs(self) -> int: ...
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def num_groups(self) -> int: ...
+
+
 def record(
     benchmark: Any,
     stage: str,
-    workload: Workload,
+    workload: Shape,
     provider: str,
     *,
     nbytes: int = 0,
@@ -48,12 +76,19 @@ def record(
         benchmark.extra_info["reference"] = reference
 
 
-def record_fallbacks(benchmark: Any, pool: Any) -> None:
+def record_fallbacks(benchmark: Any, pool: Any, since: Counter[Any] | None = None, steps: int | None = None) -> None:
     """The steps fast's bulk planner left to spec's plan_step, by reason (fast/fallback.py): a timed step that
-    fell back ran spec's Python walk, so a time is read with these beside it. Pools without a bulk path: none."""
+    fell back ran spec's Python walk, so a time is read with these beside it. Pools without a bulk path: none.
+
+    `since`: a copy of `pool.fallbacks` taken earlier (after a warm-up), so only the steps after it count; `steps`:
+    how many steps the pool applied in that span, recorded so a count reads as "n of these steps".
+    """
     fallbacks = getattr(pool, "fallbacks", None)
     if fallbacks is not None:
-        benchmark.extra_info["fallbacks"] = {reason.name: count for reason, count in fallbacks.items()}
+        counted = fallbacks - since if since is not None else fallbacks
+        benchmark.extra_info["fallbacks"] = {reason.name: count for reason, count in counted.items()}
+        if steps is not None:
+            benchmark.extra_info["counted_steps"] = steps
 
 
 def run_stateful(
@@ -88,7 +123,7 @@ def run_plain(benchmark: Any, target: Callable[[], None], budget: float) -> None
         benchmark.pedantic(target, rounds=MIN_ROUNDS if elapsed < 3 else 1)
 
 
-def param(workload: Workload, provider: str) -> Any:
+def param(workload: Case, provider: str) -> Any:
     """One (workload, provider) case; in the CI subset when the workload is."""
     marks = [pytest.mark.quick] if workload.quick else []
     return pytest.param(workload, provider, id=f"{workload.name}-{provider}", marks=marks)

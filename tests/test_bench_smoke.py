@@ -209,6 +209,80 @@ def test_a_stage_the_renderer_does_not_know_is_rendered_as_recorded(tmp_path: Pa
     assert "3.00×" in section  # spec / numpy-vectorised: 9e-3 / 3e-3
 
 
+def _fast_and_spec(workload: str, fast: float, spec: float, fallbacks: dict[str, int]) -> dict[str, Any]:
+    """benchmarks/test_feature_steps.py's form: fast's benchmark carrying spec's median, timed in its rounds."""
+    info = {"stage": "feature_step_interleaved", "workload": workload, "kind": "decode", "provider": "fast",
+            "num_reqs": 64, "num_tokens": 64, "num_groups": 2, "bytes": 0, "flops": 0, "reference": "spec",
+            "what": "fast's host step with spec's between its rounds", "fallbacks": fallbacks, "counted_steps": 201,
+            "fast_median": fast, "spec_median": spec, "fast_over_spec_median": fast / spec}  # fmt: skip
+    return {"extra_info": info, "stats": {"median": fast, "rounds": 200}}
+
+
+def test_a_benchmark_timing_fast_and_spec_interleaved_renders_both_and_fast_s_fallbacks(tmp_path: Path) -> None:
+    from slotmap.bench.page import render
+
+    results = tmp_path / "testbox.json"
+    _fake_results(results)
+    data = json.loads(results.read_text())
+    data["benchmarks"] += [
+        _fast_and_spec("hybrid-64", 1e-4, 2.5e-3, {}),
+        _fast_and_spec("hybrid-64-async", 2e-3, 2.5e-3, {"FEATURE": 201}),
+        _fast_and_spec("window-64-async-drafts", 4e-3, 5e-3, {"ASYNC_DRAFTS": 190, "ASYNC_RULES": 11}),
+    ]
+    results.write_text(json.dumps(data))
+    page = tmp_path / "performance.md"
+    render([results], page, tmp_path / "img")
+    section = page.read_text().split("### feature_step_interleaved")[1]
+    assert "fast's host step with spec's between its rounds." in section
+    assert "| workload | reqs | tokens | fast | spec |" in section
+    assert "| hybrid-64 | 64 | 64 | 100.0 µs | 2.50 ms |" in section
+    assert "| hybrid-64 | 0.04× |" in section and "| window-64-async-drafts | 0.80× |" in section  # fast / spec
+    assert "| workload | provider | steps | fell back | ASYNC_DRAFTS | ASYNC_RULES | FEATURE |" in section
+    assert "| hybrid-64 | fast | 201 | 0 | 0 | 0 | 0 |" in section
+    assert "| hybrid-64-async | fast | 201 | 201 | 0 | 0 | 201 |" in section
+    assert "| window-64-async-drafts | fast | 201 | 201 | 190 | 11 | 0 |" in section
+    assert "| spec |" not in section.split("fell back")[1]  # the counts are fast's pool's
+    host_step = page.read_text().split("### host_step")[1].split("###")[0]
+    assert "fell back" not in host_step  # no benchmark of that stage recorded fallbacks
+
+
+def test_both_forms_of_an_interleaved_benchmark_give_a_row_per_provider() -> None:
+    from slotmap.bench.results import rows
+
+    live = {"stage": "vllm_prep", "workload": "hybrid", "provider": "fast", "reference": "vllm", "num_requests": 48,
+            "num_steps": 68, "fallbacks": {"CACHED_REQUESTS": 9}, "fast_median": 1e-4, "spec_median": 1e-3,
+            "vllm_median": 3e-4, "fast_over_vllm_median": 1 / 3}  # fmt: skip
+    got = rows({"benchmarks": [{"extra_info": live, "stats": {"rounds": 9}},
+                               _fast_and_spec("encdec-64", 2e-3, 2.5e-3, {"FEATURE": 201})]})  # fmt: skip
+    shown = [(r.workload, r.provider, r.kind, r.num_reqs, r.num_tokens, r.median, r.fallbacks, r.counted_steps)
+             for r in got]  # fmt: skip
+    assert shown == [
+        ("hybrid", "fast", "live vLLM steps", 48, 68, 1e-4, (("CACHED_REQUESTS", 9),), None),
+        ("hybrid", "spec", "live vLLM steps", 48, 68, 1e-3, (), None),
+        ("hybrid", "vllm", "live vLLM steps", 48, 68, 3e-4, (), None),
+        ("encdec-64", "fast", "decode", 64, 64, 2e-3, (("FEATURE", 201),), 201),
+        ("encdec-64", "spec", "decode", 64, 64, 2.5e-3, (), None),
+    ]
+    assert {r.reference_median for r in got} == {3e-4, 2.5e-3}
+
+
+def test_fallbacks_recorded_since_a_warm_up_count_only_the_steps_after_it() -> None:
+    import collections
+    import types
+
+    from benchmarks.harness import record_fallbacks
+    from fast.fallback import Fallback
+
+    pool = types.SimpleNamespace(fallbacks=collections.Counter({Fallback.FEATURE: 3, Fallback.CACHED_REQUESTS: 1}))
+    warm = collections.Counter(pool.fallbacks)
+    pool.fallbacks[Fallback.FEATURE] += 5
+    bench = types.SimpleNamespace(extra_info={})
+    record_fallbacks(bench, pool, since=warm, steps=6)
+    assert bench.extra_info == {"fallbacks": {"FEATURE": 5}, "counted_steps": 6}
+    record_fallbacks(bench, pool)  # the pool's whole life, as the host benchmarks record it
+    assert bench.extra_info["fallbacks"] == {"FEATURE": 8, "CACHED_REQUESTS": 1}
+
+
 def test_targets_expand_per_workload_and_compare_with_their_goal(tmp_path: Path) -> None:
     from slotmap.bench.results import load
     from slotmap.bench.targets import EachWorkload, Interleaved, Ratio, target_rows

@@ -83,6 +83,7 @@ def _stage_section(
         out += table(
             list(refs), lambda row, p: fmt_ratio(row[p].median / row[refs[p]].median) if refs[p] in row else "–"
         )
+    out += _fallback_lines(sorted(results, key=lambda r: (workload_key(r), r.provider)))
     flops = any(r.flops for r in results) and stage == "paged_attention"
     if not any(r.flops if flops else r.nbytes for r in results):  # no work recorded (vllm_prep): no throughput
         return [*out, ""]
@@ -93,6 +94,25 @@ def _stage_section(
     if plot is not None:
         out += ["", f"![{stage}: time vs batch size]({os.path.relpath(plot, page.parent)})"]
     return [*out, ""]
+
+
+def _fallback_lines(results: list[Result]) -> list[str]:
+    """The steps fast's bulk planner left to spec's plan_step, by reason, for the rows that recorded any or the
+    steps they counted (benchmarks/harness.py record_fallbacks): a time is read with these beside it."""
+    counted = [r for r in results if r.fallbacks or r.counted_steps is not None]
+    if not counted:
+        return []
+    reasons = sorted({reason for r in counted for reason, _ in r.fallbacks})
+    body = []
+    for r in counted:
+        by_reason = dict(r.fallbacks)
+        steps = "–" if r.counted_steps is None else str(r.counted_steps)
+        body.append([r.workload, r.provider, steps, str(sum(by_reason.values())),
+                     *(str(by_reason.get(reason, 0)) for reason in reasons)])  # fmt: skip
+    intro = ("Steps left by fast's bulk planner to spec's plan_step, by reason (fast/fallback.py); steps: those the "
+             "counts are of, where recorded:")  # fmt: skip
+    header = ["workload", "provider", "steps", "fell back", *reasons]
+    return ["", intro, "", *markdown_table(header, "llrr" + "r" * len(reasons), body)]
 
 
 def _plot(machine: str, stage: str, results: list[Result], img_dir: Path) -> Path | None:
@@ -199,7 +219,13 @@ def render(json_paths: list[Path], page: Path, img_dir: Path) -> None:
         "Continuing requests arrive as `CachedRequestColumns` (vLLM's columnar CachedRequestData); `-objects` "
         "sends one `CachedRequest` object per request instead. A running request's id is the same `str` object in "
         "every step, as vLLM's scheduler sends each request's own `request_id` (results before 2026-12-04 made the "
-        "ids anew each step, which cost every provider a cache miss per request at 1024 decodes).",
+        "ids anew each step, which cost every provider a cache miss per request at 1024 decodes). "
+        "`feature_step_interleaved` times model kinds and modes fast's bulk planner may leave to spec's plan_step, "
+        "steps the conformance reference scheduler made (benchmarks/feature_workloads.py): `hybrid-N`, N decodes over "
+        "a full-attention group and a mamba group of one state block per request (`-async`: async scheduling); "
+        "`window-N-async-drafts`, a full and a sliding-window group on one block pool, async scheduling, up to two "
+        "drafts per decode proposed on the device, some rejected; `encdec-N`, an encoder-decoder model (Whisper's "
+        "decoder length, encoder outputs of 500–1500 tokens) whose every step admits a request and finishes one.",
         "- **Stateful stages** (`apply`, `host_step`, `layer_step`) time one step per round, each round a new valid "
         "step (built untimed), so the pool stays in steady state. CUDA work is synchronised inside every timed call.",
         "- **Ratios** divide a provider's median by the reference provider's median on the same workload: "

@@ -32,6 +32,8 @@ class Result:
     what: str = ""  # the stage's description, when the benchmark recorded one
     reference: str | None = None  # the provider its ratios divide by, when recorded
     reference_median: float | None = None  # seconds: the reference's median timed interleaved with this one
+    fallbacks: tuple[tuple[str, int], ...] = ()  # (reason, steps) fast's bulk planner left to plan_step, by name
+    counted_steps: int | None = None  # the steps those counts are of, where the benchmark recorded it
 
 
 def load(path: Path) -> tuple[dict[str, Any], list[Result]]:
@@ -46,7 +48,8 @@ def rows(data: dict[str, Any]) -> list[Result]:
         info = b.get("extra_info", {})
         if "stage" not in info:
             continue
-        if "kind" not in info:  # one benchmark timing several providers interleaved: "<provider>_median" each
+        # one benchmark timing several providers interleaved: "<provider>_median" each, its own provider's among them
+        if "kind" not in info or f"{info.get('provider')}_median" in info:
             results += _interleaved_rows(info, int(b["stats"]["rounds"]))
             continue
         results.append(
@@ -66,9 +69,15 @@ def rows(data: dict[str, Any]) -> list[Result]:
                 info.get("what", ""),
                 info.get("reference"),
                 info.get("reference_median"),
+                _fallbacks(info),
+                info.get("counted_steps"),
             )
         )
     return results
+
+
+def _fallbacks(info: dict[str, Any]) -> tuple[tuple[str, int], ...]:
+    return tuple(sorted((reason, int(count)) for reason, count in info.get("fallbacks", {}).items()))
 
 
 def fmt_time(seconds: float) -> str:
@@ -119,7 +128,9 @@ def workload_key(r: Result) -> tuple[int, int, int, str]:
 
 def _interleaved_rows(info: dict[str, Any], rounds: int) -> list[Result]:
     """The rows of a benchmark that times each provider in alternating rounds and records their medians
-    (benchmarks/test_vllm_prep.py: fast, spec and vLLM on the same live steps)."""
+    (benchmarks/test_vllm_prep.py: fast, spec and vLLM on the same live steps, its shape as requests and steps
+    replayed; benchmarks/test_feature_steps.py: fast and spec, its shape as harness.record states it). The
+    fallbacks are the benchmark's own provider's."""
     providers = [k[: -len("_median")] for k in info if k.endswith("_median") and "_over_" not in k]
     providers = [p for p in providers if p != "reference"]
     reference = info.get("reference")
@@ -128,11 +139,11 @@ def _interleaved_rows(info: dict[str, Any], rounds: int) -> list[Result]:
         Result(
             stage=info["stage"],
             workload=info["workload"],
-            kind="live vLLM steps",
+            kind=info.get("kind", "live vLLM steps"),
             provider=p,
-            num_reqs=int(info.get("num_requests", 0)),
-            num_tokens=int(info.get("num_steps", 0)),
-            num_groups=0,
+            num_reqs=int(info.get("num_reqs", info.get("num_requests", 0))),
+            num_tokens=int(info.get("num_tokens", info.get("num_steps", 0))),
+            num_groups=int(info.get("num_groups", 0)),
             median=float(info[f"{p}_median"]),
             rounds=rounds,
             nbytes=0,
@@ -140,6 +151,8 @@ def _interleaved_rows(info: dict[str, Any], rounds: int) -> list[Result]:
             what=info.get("what", ""),
             reference=reference,
             reference_median=None if reference_median is None else float(reference_median),
+            fallbacks=_fallbacks(info) if p == info.get("provider") else (),
+            counted_steps=info.get("counted_steps") if p == info.get("provider") else None,
         )
         for p in providers
     ]
