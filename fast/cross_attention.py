@@ -1,7 +1,7 @@
 """Encoder-decoder cross-attention on torch tensors: spec/cross_attention.py's three cross fields of a batch.
 
-They are computed on the host mirror, which holds every table prepare reads (fast/state.py), in a few
-vectorised NumPy calls, and go to the device in one copy; the cross group's slot_mappings[g] becomes
+They are computed on the host mirror, which holds every table prepare reads (fast/state.py), in one compiled
+pass, and go to the device in one copy; the cross group's slot_mappings[g] becomes
 PAD_SLOT_ID. The attention over the encoder's KV is fast/encoder_attention.py. apply checks the cross group's
 rules in bulk (fast/cross_bulk.py).
 """
@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from numba import njit
 
 from fast.cross_bulk import plan_in_bulk
 from fast.fallback import Fallback
 from fast.feature import FastFeature, Placement
 from fast.runtime import upload
 from spec.cross_attention import CrossAttention, CrossInputs
-from spec.state import PoolState, StepPlan, ranges
+from spec.state import PoolState, StepPlan
 from spec.types import INDEX_DTYPE, PAD_SLOT_ID, BatchInputs, SchedulerOutput, WorkerConfig
 
 
@@ -51,17 +52,53 @@ def cross_inputs(
     index_mapping: np.ndarray,  # [num_reqs] int64 batch_idx -> req_state_idx, the host's copy
     device: torch.device,
 ) -> CrossInputs:
-    """spec.cross_attention.cross_inputs from the host mirror, in one upload."""
+    """spec.cross_attention.cross_inputs from the host mirror: one compiled pass, one upload."""
+    n = index_mapping.shape[0]
+    packed_host = np.empty(2 * n + _encoder_tokens(encoder_lens, state.num_computed_tokens, index_mapping), np.int64)
     block_size = state.config.kv_groups[group].block_size
-    lens = encoder_lens[index_mapping]  # [num_reqs]
-    scheduled = np.where(state.num_computed_tokens[index_mapping] == 0, lens, 0)  # [num_reqs] encoder runs
-    which, within = ranges(scheduled)  # [sum(scheduled)] batch row, encoder position of each encoder token
-    blocks = state.block_tables[group][index_mapping[which], within // block_size].astype(np.int64)
-    slots = blocks * block_size + within % block_size  # [sum(scheduled)] int64
-    n = lens.size
-    packed = upload(np.concatenate([lens, scheduled, slots]).astype(np.int64), device)
+    _cross_fields(state.block_tables[group], encoder_lens, state.num_computed_tokens, index_mapping, block_size,
+                  packed_host)  # fmt: skip
+    packed = upload(packed_host, device)  # [2 num_reqs + encoder tokens]: lens | scheduled lens | slots
     return CrossInputs(
         encoder_seq_lens=packed[:n].to(getattr(torch, INDEX_DTYPE)),
         scheduled_encoder_lens=packed[n : 2 * n].to(getattr(torch, INDEX_DTYPE)),
         cross_slot_mapping=packed[2 * n :],
     )
+
+
+@njit(cache=True, nogil=True)
+def _encoder_tokens(  # pragma: no cover - compiled
+    encoder_lens: np.ndarray,  # [R] req_state_idx -> L
+    num_computed: np.ndarray,  # [R] req_state_idx -> the step's first position
+    index_mapping: np.ndarray,  # [num_reqs] int64 batch_idx -> req_state_idx
+) -> int:
+    """The encoder tokens the step writes: L of every row whose step starts at 0."""
+    total = 0
+    for b in range(index_mapping.shape[0]):
+        if num_computed[index_mapping[b]] == 0:
+            total += encoder_lens[index_mapping[b]]
+    return total
+
+
+@njit(cache=True, nogil=True)
+def _cross_fields(  # pragma: no cover - compiled; tested through the pool against spec
+    table: np.ndarray,  # [R, width] int32 the cross group's table
+    encoder_lens: np.ndarray,  # [R] int64 req_state_idx -> L
+    num_computed: np.ndarray,  # [R] int64 req_state_idx -> the step's first position
+    index_mapping: np.ndarray,  # [num_reqs] int64 batch_idx -> req_state_idx
+    block_size: int,
+    out: np.ndarray,  # [2 num_reqs + encoder tokens] int64 out: L | L where the encoder runs, else 0 | slots
+) -> None:
+    """spec.cross_attention.cross_inputs's three fields, end to end in `out`: a row whose step starts at 0 runs
+    its encoder, whose tokens go to its first cdiv(L, bs) cross blocks, from each block's offset 0."""
+    n = index_mapping.shape[0]
+    at = 2 * n
+    for b in range(n):
+        row = index_mapping[b]
+        length = encoder_lens[row]
+        runs = num_computed[row] == 0
+        out[b], out[n + b] = length, length if runs else 0
+        if runs:
+            for p in range(length):
+                out[at + p] = np.int64(table[row, p // block_size]) * block_size + p % block_size
+            at += length
