@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from fast.bulk_read import EMPTY, ids_in_range, joined_ids
+from fast.bulk_read import EMPTY, EMPTY_MASK, ids_in_range, joined_ids
 from fast.records import record_maker
 from spec.state import PoolState, StepPlan, TableWrites
 from spec.types import NULL_BLOCK_ID, NewRequest
@@ -178,23 +178,45 @@ def _check_new_tables(  # pragma: no cover - compiled; tested through plan_bulk_
     for i in range(lengths.shape[0]):
         table = ids[start : start + lengths[i]]
         start += lengths[i]
-        if table.shape[0] > max_blocks or (by_position and last[i] // block_size >= table.shape[0]):
-            return False, written  # too many blocks, or a missing one
-        for block in table:
-            if block < 0 or block >= num_blocks or (block == 0 and window == 0):
-                return False, written  # out of range, or the null block outside a sliding-window group
-        read_from = live_from(num_computed[i], block_size, window)
-        if has_repeats(table[read_from:], NULL_BLOCK_ID):
-            return False, written  # a block twice among the entries not released by the window
+        first, last_block = num_computed[i] // block_size, last[i] // block_size
+        if not _table_holds(table, first, last_block, num_computed[i], num_blocks, max_blocks, block_size, window,
+                            by_position):  # fmt: skip
+            return False, written
         if not by_position:
             continue
-        for e in range(read_from, last[i] // block_size + 1):
-            if table[e] == 0:
-                return False, written  # a token would read or write through the null block
-        for e in range(num_computed[i] // block_size, last[i] // block_size + 1):
+        for e in range(first, last_block + 1):
             written[w] = table[e]
             w += 1
     return True, written
+
+
+@njit(cache=True, nogil=True)
+def _table_holds(  # pragma: no cover - compiled
+    table: np.ndarray,  # [k] int64 a whole table the step gives a request (new, or resumed)
+    first: int,  # the first block its tokens write: num_computed // block_size
+    last_block: int,  # the last: its last position // block_size
+    lowest: int,  # the lowest position its step may start from (its window's reads are checked from there)
+    id_limit: int,  # ids must be < this (num_blocks, and int32 for the tables)
+    max_blocks: int,  # the group's width
+    block_size: int,
+    window: int,  # sliding window, 0 for none
+    by_position: bool,  # False: a feature's group checked by its own rules (ids and width only here)
+) -> bool:
+    """Checks 9-12 of one whole table: width, every block its tokens need present, ids in range, the null block only
+    in a window's released entries (never where a token reads or writes), no id twice among the live entries."""
+    if table.shape[0] > max_blocks or (by_position and last_block >= table.shape[0]):
+        return False  # too many blocks, or a missing one
+    for block in table:
+        if block < 0 or block >= id_limit or (block == 0 and window == 0):
+            return False  # out of range, or the null block outside a sliding-window group
+    read_from = live_from(lowest, block_size, window)
+    if has_repeats(table[read_from:], NULL_BLOCK_ID):
+        return False  # a block twice among the entries not released by the window
+    if by_position:
+        for e in range(read_from, last_block + 1):
+            if table[e] == 0:
+                return False  # a token would read or write through the null block
+    return True
 
 
 def check_group(
@@ -207,6 +229,7 @@ def check_group(
     appended: tuple[np.ndarray, np.ndarray, np.ndarray],  # request index [a], lengths [a], ids
     released_tails: np.ndarray | None,  # [R] last released entry of every row, or None
     by_position: bool = True,  # False: a feature's group checked by its own rules (ids and width only here)
+    resumed: np.ndarray = EMPTY_MASK,  # [n] bool back from preemption (their ids replace their tables); empty: none
 ) -> tuple[TableWrites, np.ndarray] | None:
     """Checks 9-12 for group g's cached requests: their appends, and the physical blocks their tokens write. The
     window's reads (9, 12) are checked from `lowest`, the writes (13) at `num_computed` (async rule 4)."""
@@ -217,11 +240,11 @@ def check_group(
     ok = _check_cached_group(
         state.block_tables[g], state.num_blocks[g], rows, num_computed, lowest, last, app_req, lengths, ids,
         min(group.num_blocks, 2**31), group.block_size, group.sliding_window or 0,
-        _NO_TAILS if released_tails is None else released_tails, by_position, app_counts, written,
+        _NO_TAILS if released_tails is None else released_tails, by_position, resumed, app_counts, written,
     )  # fmt: skip
     if not ok:
         return None
-    replaced = np.zeros(app_req.size, bool)
+    replaced = resumed[app_req] if resumed.size else np.zeros(app_req.size, bool)
     return new_table_writes(rows=rows[app_req], starts=app_counts, lengths=lengths, ids=ids, replaced=replaced), written
 
 
@@ -244,7 +267,8 @@ def _check_cached_group(  # pragma: no cover - compiled; tested through plan_bul
     window: int,  # sliding window, 0 for none
     released_tails: np.ndarray,  # [R] last released entry per row (fast/released.py), or empty: scan
     by_position: bool,  # False: a feature's group checked by its own rules (ids and width only here, nothing written)
-    app_counts: np.ndarray,  # [a] int64 out: each appending row's filled entries before the step
+    resumed: np.ndarray,  # [n] bool the request is back from preemption: its ids replace its table; empty: none is
+    app_counts: np.ndarray,  # [a] int64 out: each appending row's filled entries kept (0 for a resumed request)
     written: np.ndarray,  # [w] int64 out: the physical block of every (request, block) the step writes
 ) -> bool:
     """Checks 9-12 for one group's cached requests, one pass; False at the first failure (plan_step names it)."""
@@ -255,13 +279,21 @@ def _check_cached_group(  # pragma: no cover - compiled; tested through plan_bul
     for k in range(app_req.shape[0]):
         start_of[app_req[k]] = at
         added[app_req[k]] = lengths[k]
-        app_counts[k] = num_blocks[rows[app_req[k]]]
+        app_counts[k] = 0 if resumed.shape[0] and resumed[app_req[k]] else num_blocks[rows[app_req[k]]]
         at += lengths[k]
     w = 0
     for i in range(n):
         row = rows[i]
-        count = num_blocks[row]
         first, last_block = num_computed[i] // block_size, last[i] // block_size
+        if resumed.shape[0] and resumed[i]:  # a whole new table, as a new request's
+            own = ids[start_of[i] : start_of[i] + added[i]]
+            if not _table_holds(own, first, last_block, lowest[i], id_limit, width, block_size, window, by_position):
+                return False
+            for block_index in range(first, last_block + 1 if by_position else first):
+                written[w] = own[block_index]
+                w += 1
+            continue
+        count = num_blocks[row]
         if count + added[i] > width or (by_position and last_block >= count + added[i]):
             return False  # too many blocks for the table, or a missing block
         lo = live_from(lowest[i], block_size, window)
@@ -304,12 +336,12 @@ def _blocks_written(num_computed: np.ndarray, last: np.ndarray, block_size: int)
 
 
 def merge(new_rows: np.ndarray, new: TableWrites, cached: TableWrites) -> TableWrites:
-    """The new requests' table writes (rows filled in) followed by the cached requests' appends."""
+    """The new requests' table writes (rows filled in) followed by the cached requests' (appends, resumed tables)."""
     if not cached.rows.size:  # nobody appends (every prefill-only step): the new requests' writes as they are
         return new_table_writes(rows=new_rows, starts=new.starts, lengths=new.lengths, ids=new.ids,
                                 replaced=new.replaced)  # fmt: skip
     rows, starts, lengths, ids, replaced = _joined_writes(new_rows, new.lengths, new.ids, cached.rows, cached.starts,
-                                                          cached.lengths, cached.ids)  # fmt: skip
+                                                          cached.lengths, cached.ids, cached.replaced)  # fmt: skip
     return new_table_writes(rows=rows, starts=starts, lengths=lengths, ids=ids, replaced=replaced)
 
 
@@ -318,12 +350,14 @@ def _joined_writes(  # pragma: no cover - compiled; tested through plan_bulk_ste
     new_rows: np.ndarray,  # [k] int64 req_state_idx of the new requests: their whole tables, from entry 0
     new_lengths: np.ndarray,  # [k] int64
     new_ids: np.ndarray,  # [sum(new_lengths)] int64
-    rows: np.ndarray,  # [a] int64 req_state_idx of the appending requests
-    starts: np.ndarray,  # [a] int64 their filled entries
+    rows: np.ndarray,  # [a] int64 req_state_idx of the cached requests that write (append, or resumed: replace)
+    starts: np.ndarray,  # [a] int64 their filled entries kept (0 for a resumed request)
     lengths: np.ndarray,  # [a] int64
     ids: np.ndarray,  # [sum(lengths)] int64
+    cached_replaced: np.ndarray,  # [a] bool the request is resumed: its ids replace its table
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """TableWrites' five arrays for the new tables then the appends: one call where five concatenations were five."""
+    """TableWrites' five arrays for the new tables then the cached requests' writes: one call where five
+    concatenations were five."""
     k, a = new_rows.shape[0], rows.shape[0]
     out_rows, out_starts, out_lengths = np.empty(k + a, np.int64), np.zeros(k + a, np.int64), np.empty(k + a, np.int64)
     out_ids, replaced = np.empty(new_ids.shape[0] + ids.shape[0], np.int64), np.zeros(k + a, np.bool_)
@@ -331,7 +365,7 @@ def _joined_writes(  # pragma: no cover - compiled; tested through plan_bulk_ste
     out_starts[k:] = starts
     out_lengths[:k], out_lengths[k:] = new_lengths, lengths
     out_ids[: new_ids.shape[0]], out_ids[new_ids.shape[0] :] = new_ids, ids
-    replaced[:k] = True
+    replaced[:k], replaced[k:] = True, cached_replaced
     return out_rows, out_starts, out_lengths, out_ids, replaced
 
 

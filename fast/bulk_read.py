@@ -21,6 +21,7 @@ from spec.types import PLACEHOLDER_TOKEN_ID, CachedRequest, CachedRequestColumns
 
 SEQUENCES = (tuple, list)
 EMPTY = np.zeros(0, np.int64)
+EMPTY_MASK = np.zeros(0, np.bool_)  # [0] bool: no request flagged
 NO_TOKENS = np.zeros(0, np.int32)
 
 
@@ -109,11 +110,12 @@ def _drafts_in_order(  # pragma: no cover - compiled; tested through plan_bulk_s
     return True
 
 
-def read_cached(cached: Any) -> tuple[list[str], Any, list[Any] | None] | None:
-    """(req_ids, num_computed_tokens, new_block_ids or None) of the cached requests, or None if any is resumed."""
+def read_cached(cached: Any) -> tuple[list[str], Any, list[Any] | None, np.ndarray] | None:
+    """(req_ids, num_computed_tokens, new_block_ids or None, resumed [n] bool or EMPTY_MASK when none) of the cached
+    requests, or None for a form spec names or reads one by one."""
     if type(cached) is CachedRequestColumns:
-        resumed_ids = cached.resumed_req_ids  # spec's to judge unless an empty set (an empty tuple is refused)
-        if type(resumed_ids) not in (frozenset, set) or resumed_ids or type(cached.req_ids) not in SEQUENCES:
+        resumed_ids = cached.resumed_req_ids  # a set (an empty tuple is refused: spec's to name)
+        if type(resumed_ids) not in (frozenset, set) or type(cached.req_ids) not in SEQUENCES:
             return None
         req_ids, computed, blocks = list(cached.req_ids), cached.num_computed_tokens, cached.new_block_ids
         if blocks is not None and type(blocks) not in SEQUENCES:  # an unsized column: spec names it
@@ -125,18 +127,40 @@ def read_cached(cached: Any) -> tuple[list[str], Any, list[Any] | None] | None:
             return None
         if len(computed) != len(req_ids) or (blocks is not None and len(blocks) != len(req_ids)):
             return None
-        return req_ids, computed, None if blocks is None else list(blocks)
+        resumed = EMPTY_MASK
+        if resumed_ids:
+            try:
+                resumed = np.fromiter(map(resumed_ids.__contains__, req_ids), np.bool_, len(req_ids))
+            except TypeError:  # an unhashable id: spec names it
+                return None
+            if int(resumed.sum()) != len(resumed_ids):  # a resumed id not among the cached ones: spec names it
+                return None
+        return req_ids, computed, None if blocks is None else list(blocks), resumed
     if type(cached) not in SEQUENCES:
         return None
     if not cached:
-        return [], EMPTY, None
+        return [], EMPTY, None, EMPTY_MASK
     if set(map(type, cached)) != {CachedRequest}:
         return None
     fields = [(c.req_id, c.num_computed_tokens, c.new_block_ids, c.resumed) for c in cached]
-    ids, computed, blocks, resumed = zip(*fields, strict=True)
-    if set(map(id, resumed)) != {id(False)} or set(map(type, computed)) != {int}:  # False itself, not 0
+    ids, computed, blocks, flags = zip(*fields, strict=True)
+    if set(map(id, flags)) - {id(False), id(True)} or set(map(type, computed)) != {int}:  # the bools, not 0 or 1
         return None
-    return list(ids), computed, list(blocks)
+    return list(ids), computed, list(blocks), np.array(flags, np.bool_) if True in flags else EMPTY_MASK
+
+
+def whole_tables_given(new_blocks: list[Any] | None, resumed: np.ndarray, num_groups: int) -> bool:
+    """Every resumed request ([n] `resumed`) gives a table for each group, none empty: its ids replace its tables,
+    where any other request's appended ids extend them (an empty one is spec's to judge)."""
+    if new_blocks is None:
+        return False
+    try:
+        return all(
+            type(tables) in SEQUENCES and len(tables) == num_groups and all(len(t) for t in tables)
+            for tables in compress(new_blocks, resumed)
+        )
+    except TypeError:  # an unsized table: spec names it
+        return False
 
 
 class RowMemo:

@@ -69,20 +69,24 @@ def _check_cross(  # pragma: no cover - compiled; tested through the pool agains
     write_starts: np.ndarray,  # [m] int64 first entry written
     write_lengths: np.ndarray,  # [m] int64 ids written
     write_ids: np.ndarray,  # [sum(write_lengths)] int64
-    replaced: np.ndarray,  # [m] bool the write replaces the whole table (a new request's)
+    replaced: np.ndarray,  # [m] bool the write replaces the whole table (a new or resumed request's)
     block_size: int,
     written: np.ndarray,  # [>= n * width] int64 out: the cross blocks the step's encoders write
 ) -> int:
     """Checks 7, 11 and the cross group's part of 13, on the tables after the step: the count of blocks written
     (into `written`), or -1 at the first failure."""
     lens = np.empty(table.shape[0], np.int64)  # [R] req_state_idx -> L after the step
-    fresh = np.zeros(table.shape[0], np.bool_)  # [R] req_state_idx -> a new request's row
+    # [R] req_state_idx -> its cross blocks are new this step: a new request's, or a resumed one's (spec counts a
+    # resumed request given the blocks its row holds as not new: plan_step takes that one, if it starts past 0)
+    fresh = np.zeros(table.shape[0], np.bool_)
     for i in range(rows.shape[0]):
         lens[rows[i]] = encoder_lens[rows[i]]
     for k in range(new_rows.shape[0]):
         if new_lens[k] < 1 or new_lens[k] > max_encoder_len:
             return -1  # check 7 (and 1: a negative length)
-        lens[new_rows[k]], fresh[new_rows[k]] = new_lens[k], True
+        lens[new_rows[k]] = new_lens[k]
+    for k in range(write_rows.shape[0]):
+        fresh[write_rows[k]] = replaced[k]
     write_of, offset = write_index(table.shape[0], write_rows, write_lengths)
     w = 0
     for i in range(rows.shape[0]):

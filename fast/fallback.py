@@ -23,7 +23,10 @@ class Fallback(enum.Enum):
     FEATURE = "a model-kind feature the bulk planner does not plan (`plans_in_bulk` false: spec's own, not fast's)"
     FEATURE_FIELDS = "a new request brings a feature's fields its fast form does not read in bulk (M-RoPE inputs)"
     CONTAINERS = "the output's containers or requests are not the plain dict, list, tuple, set and dataclasses"
-    CACHED_REQUESTS = "a resumed request, or cached requests' fields of types read one by one"
+    CACHED_REQUESTS = (
+        "a resumed request under async scheduling or without a whole table per group, or cached requests' fields of "
+        "types read one by one"
+    )
     REQUEST_KEYS = "no request scheduled, or num_scheduled_tokens' ids and counts not plain str and int"
     DRAFTS = "drafts not a dict of plain int ids, out of the vocabulary, or of unscheduled requests"
     BLOCK_IDS = "new block ids not lists or tuples of plain ints, one per group"

@@ -57,6 +57,7 @@ from fast.bulk_read import (
     read_drafts,
     rows_of_new,
     scheduler_index,
+    whole_tables_given,
 )
 from fast.fallback import Fallback
 from fast.feature import FastFeature
@@ -138,8 +139,12 @@ def plan_bulk_step(
     cached = read_cached(sched.cached_requests)
     if cached is None:
         return Fallback.CACHED_REQUESTS
-    cached_ids, computed_in, new_blocks = cached
+    cached_ids, computed_in, new_blocks, resumed = cached  # resumed: [n] bool, or EMPTY_MASK when none is
     n = len(cached_ids)
+    # a resumed request's ids replace its tables (checked as a new request's); under async scheduling rule 7 holds it
+    # to the tokens it held before its last record's drafts, which plan_step checks
+    if resumed.size and (config.async_scheduling or not whole_tables_given(new_blocks, resumed, len(config.kv_groups))):
+        return Fallback.CACHED_REQUESTS
     keys = list(scheduled)
     counts_in = list(scheduled.values())
     if not keys or set(map(type, keys)) != {str} or set(map(type, counts_in)) != {int}:
@@ -212,7 +217,9 @@ def plan_bulk_step(
     tables = []
     for g in range(len(config.kv_groups)):
         tails = released_tails[g] if released_tails is not None else None
-        checked = check_group(state, g, rows, num_computed, lowest, last, appends[g], tails, memory.by_position[g])
+        checked = check_group(
+            state, g, rows, num_computed, lowest, last, appends[g], tails, memory.by_position[g], resumed
+        )
         if checked is None:
             return Fallback.TABLES
         appended, written = checked

@@ -412,7 +412,7 @@ def test_fallbacks_of_shapes_the_bulk_planner_leaves() -> None:
     spec's."""
     config, first, _ = _two_decoding_requests()
     step = _mixed_step()
-    resumed = replace(step, cached_requests=(CachedRequest("B", 4, ((4,), (6,)), resumed=True),))
+    resumed = replace(step, cached_requests=(CachedRequest("B", 4, None, resumed=True),))  # no table given
     encoder = _edit_new(step, "C", encoder_len=3)  # on a model without a cross group: check 1 refuses it
     mrope = _edit_new(step, "C", mrope_position_delta=2)  # on a model without M-RoPE: refused too
     with interpret(False):
@@ -466,8 +466,9 @@ def _assert_plans_equal(got: StepPlan, want: StepPlan) -> None:
 
 
 def test_drafting_steps_take_the_bulk_path_with_plan_steps_plan() -> None:
-    """Drafting steps (the reference scheduler with spec_tokens): the compiled checks plan them as spec does."""
-    drafting = 0
+    """Drafting steps (the reference scheduler with spec_tokens), and steps resuming preempted requests: the compiled
+    checks plan them as spec does."""
+    drafting = resuming = 0
     for seed in range(12):
         scenario = random_scenario(seed, spec_decode=True)
         knobs = replace(scenario.knobs, spec_tokens=3)
@@ -477,15 +478,17 @@ def test_drafting_steps_take_the_bulk_path_with_plan_steps_plan() -> None:
             if scheduler.done():
                 break
             out = scheduler.schedule()
-            # resumed requests, appended null placeholders (knob null_lookahead) and M-RoPE tables are plan_step's
-            # by design
-            appends_null = any(0 in ids for c in out.cached_requests for ids in (c.new_block_ids or ()))
+            # appended null placeholders (knob null_lookahead) and M-RoPE tables are plan_step's by design (a resumed
+            # request's whole table may hold the null block in a window's released entries)
+            appended = (ids for c in out.cached_requests if not c.resumed for ids in (c.new_block_ids or ()))
+            appends_null = any(0 in ids for ids in appended)
             by_design = appends_null or any(r.mrope_positions is not None for r in out.new_requests)  # M-RoPE tables
-            if out.num_scheduled_tokens and not by_design and not any(c.resumed for c in out.cached_requests):
+            if out.num_scheduled_tokens and not by_design:
                 plan = plan_bulk_step(pool.state, out, pool.features)
                 assert isinstance(plan, StepPlan), (plan, out)
                 _assert_plans_equal(plan, plan_step(pool.state, out, pool.features))
                 drafting += plan.num_drafts is not None
+                resuming += any(c.resumed for c in out.cached_requests)
             pool.apply(out)
             batch = pool.prepare(out)
             takes = scheduler.sampling_req_ids(out)
@@ -493,6 +496,7 @@ def test_drafting_steps_take_the_bulk_path_with_plan_steps_plan() -> None:
             pool.record_sampled(batch, sampled_array([kept.get(r, 1) for r in batch.req_ids]))
             scheduler.update(out, kept)
     assert drafting >= 20
+    assert resuming >= 5, resuming  # steps resuming a preempted request, planned in bulk
 
 
 def test_async_drafts_proposed_on_the_device_take_the_bulk_path() -> None:
