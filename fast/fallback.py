@@ -21,7 +21,7 @@ class Fallback(enum.Enum):
 
     # shapes the bulk planner does not model
     FEATURE = "a model-kind feature the bulk planner does not plan (`plans_in_bulk` false: spec's own, not fast's)"
-    FEATURE_FIELDS = "a new request brings a feature's fields its fast form does not read in bulk (M-RoPE inputs)"
+    FEATURE_FIELDS = "a new request brings the fields of a feature the model lacks (check 1 refuses them)"
     CONTAINERS = "the output's containers or requests are not the plain dict, list, tuple, set and dataclasses"
     CACHED_REQUESTS = (
         "a resumed request under async scheduling or without a whole table per group, or cached requests' fields of "

@@ -14,23 +14,52 @@ import numpy as np
 import torch
 from numba import njit
 
+from fast.fallback import Fallback
 from fast.feature import FastFeature, Placement
 from fast.kernels.mrope import mrope_positions_triton
 from fast.runtime import interpret, upload
-from spec.mrope import NUM_MROPE_ROWS, MRope, MRopeInputs, MRopeWrites
+from spec.mrope import MAX_MROPE_DELTA, NUM_MROPE_ROWS, MRope, MRopeInputs, MRopeWrites, as_table
 from spec.state import PoolState, StepPlan
-from spec.types import BatchInputs, WorkerConfig
+from spec.types import BatchInputs, SchedulerOutput, WorkerConfig
 
 _MIN_CAPACITY = 256
 
 
 class FastMRope(FastFeature, MRope):
-    """spec's M-RoPE feature with the tables kept where prepare reads them (DeviceMRope)."""
+    """spec's M-RoPE feature with the tables kept where prepare reads them (DeviceMRope), its fields of new
+    requests read by the bulk planner (`plan_in_bulk`)."""
+
+    reads_fields_in_bulk = True  # mrope_positions, mrope_position_delta
 
     def __init__(self, config: WorkerConfig, placement: Placement) -> None:
         self.placement = placement
         self.tables = DeviceMRope(config, placement.device, placement.host_mode)
         MRope.__init__(self, config, rows=self.tables)
+
+    def plan_in_bulk(self, state: PoolState, sched: SchedulerOutput, new_rows: np.ndarray, plan: StepPlan,
+                     marks: np.ndarray | None) -> MRopeWrites | Fallback | None:  # fmt: skip
+        """spec's check 1 of the new requests' M-RoPE inputs (spec.mrope.check_mrope_inputs), then their tables as
+        spec's plan has them; the Fallback that leaves the step to plan_step (which names the fault) at the first
+        fault. The prompts' lengths come from the plan, which read every prompt already."""
+        carrying: list[tuple[int, int, np.ndarray]] = []  # (row, delta, [3, prompt_len] table)
+        for new, row, prompt_len in zip(sched.new_requests, new_rows.tolist(), plan.prompt_lens.tolist(), strict=True):
+            delta, given = new.mrope_position_delta, new.mrope_positions
+            if type(delta) is not int or abs(delta) >= MAX_MROPE_DELTA or (given is None and delta):
+                return Fallback.FEATURE_RULES
+            if given is None:
+                continue
+            table = as_table(given)
+            if table is None or table.shape[1] != prompt_len:
+                return Fallback.FEATURE_RULES
+            carrying.append((row, delta, table))
+        if not carrying:
+            return None
+        return MRopeWrites(
+            rows=np.array([row for row, _, _ in carrying], np.int64),
+            lengths=np.array([table.shape[1] for _, _, table in carrying], np.int64),
+            deltas=np.array([delta for _, delta, _ in carrying], np.int64),
+            tables=np.concatenate([table for _, _, table in carrying], 1),
+        )
 
     def prepare(self, state: PoolState, plan: StepPlan, batch: BatchInputs, order: np.ndarray | None) -> MRopeInputs:
         rows = plan.rows if order is None else plan.rows[order]  # [num_reqs] batch_idx -> req_state_idx, host copy

@@ -49,7 +49,7 @@ class Feature(abc.ABC):
     name: ClassVar[str]  # the key of its part in StepPlan.features
     # A bulk planner (fast/validate.py) may plan the decoder's part of a step and then call `plan`: the feature's
     # checks are all on the fields of new requests (left to plan_step when given) and it owns no group, or its
-    # fast form checks its groups' rules itself (fast/feature.py, FastFeature.plan_in_bulk)
+    # fast form reads those fields and checks its groups' rules itself (fast/feature.py, FastFeature.plan_in_bulk)
     plans_in_bulk: ClassVar[bool] = False
 
     # ---- asked of every feature the project knows, configured or not ----------------------------------------

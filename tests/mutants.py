@@ -358,6 +358,22 @@ MUTANTS: tuple[Mutant, ...] = (
         (INVALID,),
     ),
     Mutant(
+        "fast-mrope-table-of-another-length",
+        "1 InconsistentSchedulerOutputError: an M-RoPE table has a column per prompt token (fast's bulk read)",
+        "fast/mrope.py",
+        "if table is None or table.shape[1] != prompt_len:",
+        "if table is None:",
+        (MROPE,),
+    ),
+    Mutant(
+        "fast-mrope-delta-without-a-table",
+        "1 InconsistentSchedulerOutputError: a text request's M-RoPE delta is 0 (fast's bulk read)",
+        "fast/mrope.py",
+        "if type(delta) is not int or abs(delta) >= MAX_MROPE_DELTA or (given is None and delta):",
+        "if type(delta) is not int or abs(delta) >= MAX_MROPE_DELTA:",
+        (MROPE,),
+    ),
+    Mutant(
         "fast-mamba-prefix-hit-inside-a-state-block",
         "11 MissingBlockError: a new request's mamba read is a state cached at a block's end (fast's bulk check)",
         "fast/mamba_bulk.py",

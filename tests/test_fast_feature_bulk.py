@@ -7,6 +7,7 @@ plan_step plans them.
   from the same lowest start (fast/validate.py, fast/mamba_bulk.py).
 - Encoder-decoder models: the cross group's tables hold the encoder's KV, checked by their own rules
   (fast/cross_bulk.py), and new requests bring encoder_len.
+- Multimodal models (M-RoPE): new requests bring position tables (fast/mrope.py, FastMRope.plan_in_bulk).
 The differential suites compare every batch and snapshot of such runs with spec's; these tests add that the bulk
 planner took the steps, with plan_step's plan.
 """
@@ -153,3 +154,20 @@ def test_encoder_decoder_steps_are_planned_in_bulk_as_plan_step_plans_them(watch
 
 def _has_cross(config: WorkerConfig) -> bool:
     return any(g.kind == "cross_attention" for g in config.kv_groups)
+
+
+def test_multimodal_steps_are_planned_in_bulk_as_plan_step_plans_them(watch: _Watch) -> None:
+    tables: list[int] = []  # new requests with an M-RoPE position table among the watched steps
+
+    def with_mrope(state: PoolState, sched: SchedulerOutput) -> bool:
+        if not state.config.uses_mrope:
+            return False
+        tables.append(sum(r.mrope_positions is not None for r in sched.new_requests))
+        return True
+
+    watch.watched = with_mrope
+    scenarios = (random_scenario(seed, multimodal=True) for seed in range(200))
+    _drive((dataclasses.replace(s, attention=None) for s in scenarios if s.config.uses_mrope), watch, steps=60)
+    assert watch.planned >= 60 and sum(tables) >= 10, (watch.planned, sum(tables), watch.refused)
+    assert set(watch.refused) <= BY_DESIGN, watch.refused
+    assert len(watch.refused) <= watch.planned // 4, watch.refused
