@@ -10,6 +10,8 @@ admission); benchmarks/feature_trace.py records them.
   the reference drafter's random counts and verdicts: some rejected, so each step's counts are corrected.
 - `encdec-N`: an encoder-decoder model (a cross_attention group, Whisper's decoder length and encoder output) with
   N decodes, and each step one request finishing and a new one arriving with its encoder output's length.
+- `mm-N`: a multimodal model with M-RoPE (Qwen2-VL's positions) with N decodes, and each step one request finishing
+  and a new one arriving with an image prompt: its position table and delta (conformance/scheduler/mrope.py).
 
 Prompts are random, so prefix caching would find nothing: it is off, and the warm-up prefills every prompt.
 """
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 
 from benchmarks.workloads import VOCAB_SIZE
 from conformance.scheduler import ReferenceScheduler, SchedulerKnobs, Workload, WorkloadRequest
+from conformance.scheduler.mrope import position_table
 from spec.mamba import MAMBA
 from spec.types import KVCacheGroup, WorkerConfig
 
@@ -35,12 +38,14 @@ MAX_BATCHED_TOKENS = 8192  # vLLM's chunked-prefill budget: the warm-up prefills
 DECODER_LEN = 448  # Whisper's decoder max_model_len
 DECODER_PROMPT = (4, 32)  # its decoder prompts: a few task and language tokens
 ENCODER_LEN = (500, 1500)  # encoder output tokens per request; Whisper's is 1500 frames
+IMAGE_PROMPT = (256, 1024)  # a multimodal prompt's tokens: an image's patches and a few text tokens
+ARRIVING = ("encdec", "mm")  # models whose every steady step admits a request and finishes one
 
 
 @dataclass(frozen=True)
 class FeatureWorkload:
     name: str
-    model: str  # "hybrid", "window" or "encdec"
+    model: str  # "hybrid", "window", "encdec" or "mm"
     num_decodes: int
     async_scheduling: bool = False
     drafts: int = 0  # most drafts per decode per step (proposed on the device: async scheduling only)
@@ -49,20 +54,22 @@ class FeatureWorkload:
     @property
     def steady_shape(self) -> tuple[int, int, int]:
         """(new, cached, finished) requests of every output at the steady state the benchmark times."""
-        return (1, self.num_decodes, 1) if self.model == "encdec" else (0, self.num_decodes, 0)
+        return (1, self.num_decodes, 1) if self.model in ARRIVING else (0, self.num_decodes, 0)
 
     def scheduler(self, num_steps: int) -> ReferenceScheduler:
         """The reference scheduler over this workload, with requests enough for `num_steps` outputs."""
         rng = random.Random(f"{SEED} {self.name}")
         if self.model == "encdec":
             config, requests = self._encoder_decoder(num_steps, rng)
+        elif self.model == "mm":
+            config, requests = self._multimodal(num_steps, rng)
         else:
             config, requests = self._decodes(rng)
         knobs = SchedulerKnobs(enable_prefix_caching=False, spec_tokens=self.drafts, drafts_on_device=self.drafts > 0)
         return ReferenceScheduler(config, Workload(requests), knobs, seed=SEED)
 
     def _config(self, max_model_len: int, groups: tuple[KVCacheGroup, ...], one_block_pool: bool = False,
-                max_encoder_len: int = 0) -> WorkerConfig:  # fmt: skip
+                max_encoder_len: int = 0, uses_mrope: bool = False) -> WorkerConfig:  # fmt: skip
         return WorkerConfig(
             max_num_reqs=max(2 * self.num_decodes, 8),
             max_model_len=max_model_len,
@@ -70,6 +77,7 @@ class FeatureWorkload:
             vocab_size=VOCAB_SIZE,
             kv_groups=groups,
             max_encoder_len=max_encoder_len,
+            uses_mrope=uses_mrope,
             async_scheduling=self.async_scheduling,
             one_block_pool=one_block_pool,
         )
@@ -108,6 +116,21 @@ class FeatureWorkload:
         )  # fmt: skip
         return config, requests
 
+    def _multimodal(self, num_steps: int, rng: random.Random) -> tuple[WorkerConfig, tuple[WorkloadRequest, ...]]:
+        """One arrival per step, an image prompt with its position table, each request prefilled in its first step
+        and sampling num_decodes + 1 tokens, as `_encoder_decoder`'s."""
+        rows = self.num_decodes + 2
+        max_model_len = IMAGE_PROMPT[1] + self.num_decodes + 1
+        attention = KVCacheGroup(BLOCK_SIZE, 1 + rows * math.ceil(max_model_len / BLOCK_SIZE))
+        config = self._config(max_model_len, (attention,), uses_mrope=True)
+        requests = []
+        for i in range(num_steps + 1):
+            prompt = _prompt(rng, *IMAGE_PROMPT)
+            table, delta = position_table(len(prompt), rng)
+            requests.append(WorkloadRequest(f"m{i}", i, prompt, self.num_decodes + 1, mrope_positions=table,
+                                            mrope_position_delta=delta))  # fmt: skip
+        return config, tuple(requests)
+
 
 def _prompt(rng: random.Random, lo: int, hi: int) -> tuple[int, ...]:
     return tuple(rng.randrange(VOCAB_SIZE) for _ in range(rng.randint(lo, hi)))
@@ -119,6 +142,7 @@ def _cases(n: int, quick: bool) -> tuple[FeatureWorkload, ...]:
         FeatureWorkload(f"hybrid-{n}-async", "hybrid", n, async_scheduling=True, quick=quick),
         FeatureWorkload(f"window-{n}-async-drafts", "window", n, async_scheduling=True, drafts=2, quick=quick),
         FeatureWorkload(f"encdec-{n}", "encdec", n, quick=quick),
+        FeatureWorkload(f"mm-{n}", "mm", n, quick=quick),
     )
 
 

@@ -45,6 +45,9 @@ def test_the_config_has_the_feature_the_workload_is_named_for(trace: Trace) -> N
     if w.model == "encdec":
         assert kinds == ["attention", "cross_attention"]
         assert all(r.encoder_len > 0 for s in trace.steady for r in s.out.new_requests)
+    assert config.uses_mrope == (w.model == "mm")
+    if w.model == "mm":
+        assert all(r.mrope_positions is not None for s in trace.steady for r in s.out.new_requests)
 
 
 def test_drafts_are_placeholders_and_some_are_rejected() -> None:

@@ -225,7 +225,9 @@ def render(json_paths: list[Path], page: Path, img_dir: Path) -> None:
         "a full-attention group and a mamba group of one state block per request (`-async`: async scheduling); "
         "`window-N-async-drafts`, a full and a sliding-window group on one block pool, async scheduling, up to two "
         "drafts per decode proposed on the device, some rejected; `encdec-N`, an encoder-decoder model (Whisper's "
-        "decoder length, encoder outputs of 500–1500 tokens) whose every step admits a request and finishes one.",
+        "decoder length, encoder outputs of 500–1500 tokens) whose every step admits a request and finishes one; "
+        "`mm-N`, a multimodal model with M-RoPE whose every step admits an image prompt of 256–1024 tokens with its "
+        "position table and finishes a request.",
         "- **Stateful stages** (`apply`, `host_step`, `layer_step`) time one step per round, each round a new valid "
         "step (built untimed), so the pool stays in steady state. CUDA work is synchronised inside every timed call.",
         "- **Ratios** divide a provider's median by the reference provider's median on the same workload: "
