@@ -10,6 +10,11 @@ loop over them); under Triton they live on the device (prepare is fast.kernels.m
 
 from __future__ import annotations
 
+from array import array
+from collections.abc import Sequence
+from itertools import chain
+from typing import Any, cast
+
 import numpy as np
 import torch
 from numba import njit
@@ -48,7 +53,7 @@ class FastMRope(FastFeature, MRope):
                 return Fallback.FEATURE_RULES
             if given is None:
                 continue
-            table = as_table(given)
+            table = _as_table(given)
             if table is None or table.shape[1] != prompt_len:
                 return Fallback.FEATURE_RULES
             carrying.append((row, delta, table))
@@ -65,6 +70,19 @@ class FastMRope(FastFeature, MRope):
         rows = plan.rows if order is None else plan.rows[order]  # [num_reqs] batch_idx -> req_state_idx, host copy
         with interpret(self.placement.interpret):
             return MRopeInputs(self.tables.positions(batch, rows))
+
+
+def _as_table(value: object) -> np.ndarray | None:
+    """spec.mrope.as_table, a table of rows of Python ints read in one pass (array('q') takes what operator.index
+    takes, and refuses floats and values past int64), where spec's reads each value through operator.index."""
+    if type(value) in (tuple, list) and len(value) == NUM_MROPE_ROWS:  # type: ignore[arg-type]
+        rows = cast(Sequence[Any], value)
+        if all(type(row) in (tuple, list) for row in rows) and len(set(map(len, rows))) == 1:
+            try:
+                return np.frombuffer(array("q", chain.from_iterable(rows)), np.int64).reshape(NUM_MROPE_ROWS, -1)
+            except (TypeError, OverflowError):
+                return None
+    return as_table(value)
 
 
 class DeviceMRope:

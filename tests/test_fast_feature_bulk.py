@@ -27,8 +27,10 @@ from conformance.backends import load_backend
 from conformance.differential import DifferentialRun, drive
 from conformance.scenario import random_scenario, with_one_block_pool
 from fast.fallback import Fallback
+from fast.mrope import _as_table
 from fast.runtime import interpret
 from spec.feature import Feature
+from spec.mrope import as_table
 from spec.state import PoolState, StepPlan, TableWrites
 from spec.types import SchedulerOutput, WorkerConfig
 from spec.validate import plan_step
@@ -171,3 +173,26 @@ def test_multimodal_steps_are_planned_in_bulk_as_plan_step_plans_them(watch: _Wa
     assert watch.planned >= 60 and sum(tables) >= 10, (watch.planned, sum(tables), watch.refused)
     assert set(watch.refused) <= BY_DESIGN, watch.refused
     assert len(watch.refused) <= watch.planned // 4, watch.refused
+
+
+TABLES = [
+    ((1, 2), (3, 4), (5, 6)),
+    [[1, 2], [3, 4], [5, 6]],
+    ((True, 2), (3, 4), (5, 6)),  # operator.index takes a bool
+    ((), (), ()),
+    ((1, 2), (3, 4), (5, 6.0)),  # a float: no position
+    ((1, 2), (3, 4), (5,)),  # rows of two lengths
+    ((2**63, 2), (3, 4), (5, 6)),  # past int64
+    ((1, 2), (3, 4)),  # two rows
+    ((1, "2"), (3, 4), (5, 6)),
+    np.arange(6, dtype=np.int32).reshape(3, 2),
+    np.arange(6, dtype=np.float64).reshape(3, 2),
+]
+
+
+@pytest.mark.parametrize("table", TABLES, ids=range(len(TABLES)))
+def test_the_bulk_read_of_a_position_table_is_specs(table: object) -> None:
+    got, want = _as_table(table), as_table(table)
+    assert (got is None) == (want is None), (got, want)
+    if got is not None and want is not None:
+        assert got.dtype == want.dtype and got.shape == want.shape and np.array_equal(got, want)
