@@ -13,15 +13,15 @@ output of the steady shape on, every output must keep it, or the recording fails
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
 
+from benchmarks.columns import in_columns
 from benchmarks.feature_workloads import FeatureWorkload
 from conformance.scheduler import ReferenceScheduler
 from spec.batch import batch_order
-from spec.types import PLACEHOLDER_TOKEN_ID, CachedRequestColumns, SchedulerOutput, WorkerConfig
+from spec.types import PLACEHOLDER_TOKEN_ID, SchedulerOutput, WorkerConfig
 
 MAX_WARMUP = 200  # outputs before the steady state; past this the workload's setting is wrong
 SEED = 4321  # the target tokens' generator (the scheduler's own draws follow the workload's seed)
@@ -108,15 +108,4 @@ def _step(sched: ReferenceScheduler, rng: np.random.Generator) -> TraceStep:
         proposals = sched.device_proposals(out)
         proposed = np.array([proposals.get(r, (0,) * drafts) for r in req_ids], np.int64).reshape(len(rows), drafts)
     sched.update(out, kept)
-    return TraceStep(_in_columns(out), sampled, proposed)
-
-
-def _in_columns(out: SchedulerOutput) -> SchedulerOutput:
-    cached = tuple(out.cached_requests)
-    columns = CachedRequestColumns(
-        req_ids=[c.req_id for c in cached],
-        num_computed_tokens=[c.num_computed_tokens for c in cached],
-        new_block_ids=[c.new_block_ids for c in cached],
-        resumed_req_ids=frozenset(c.req_id for c in cached if c.resumed),
-    )
-    return dataclasses.replace(out, cached_requests=columns)
+    return TraceStep(in_columns(out), sampled, proposed)

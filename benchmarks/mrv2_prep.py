@@ -254,17 +254,9 @@ class FastReplay:
 
 
 def _in_columns(sched: Any) -> Any:
-    """Continuing requests as columns (spec.types.CachedRequestColumns), as vLLM's CachedRequestData."""
-    from spec.types import CachedRequestColumns
+    from benchmarks.columns import in_columns
 
-    cached = list(sched.cached_requests)
-    columns = CachedRequestColumns(
-        req_ids=[c.req_id for c in cached],
-        num_computed_tokens=[c.num_computed_tokens for c in cached],
-        new_block_ids=[c.new_block_ids for c in cached],
-        resumed_req_ids=frozenset(c.req_id for c in cached if c.resumed),
-    )
-    return dataclasses.replace(sched, cached_requests=columns)
+    return in_columns(sched)
 
 
 def _same_batch(got: Any, want: Any) -> None:

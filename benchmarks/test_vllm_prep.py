@@ -26,7 +26,6 @@ timed on a wrong step.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import gc
 import os
 from collections.abc import Iterator
@@ -47,6 +46,7 @@ import torch
 
 import fast
 import spec
+from benchmarks.columns import in_columns
 from benchmarks.harness import record_fallbacks
 from benchmarks.live_workloads import MODELS, LiveWorkload, five_workloads
 from shadow.checker import ShadowChecker
@@ -54,7 +54,7 @@ from shadow.inputs import engine_rows
 from shadow.vllm_attach import StepRecord, attach, worker_config_from_vllm
 from shadow.vllm_attach.compat import let_vllm_scan_modules_beside_numba
 from spec.interop.vllm import from_vllm
-from spec.types import CachedRequestColumns, SchedulerOutput
+from spec.types import SchedulerOutput
 
 REPLAYS = 3  # timed passes over the recorded steps (rounds = steps * REPLAYS), after one checked warm-up pass
 WORKLOADS = five_workloads(num_prompts=48, max_tokens=32, preemption_blocks=48)
@@ -152,15 +152,7 @@ def _slotmap_steps(records: list[StepRecord]) -> list[SchedulerOutput]:
     """The steps in slotmap's form, continuing requests in columns (as vLLM's CachedRequestData)."""
     steps = []
     for rec in records:
-        sched = from_vllm(copy.deepcopy(rec.sched))
-        cached = list(sched.cached_requests)
-        columns = CachedRequestColumns(
-            req_ids=[c.req_id for c in cached],
-            num_computed_tokens=[c.num_computed_tokens for c in cached],
-            new_block_ids=[c.new_block_ids for c in cached],
-            resumed_req_ids=frozenset(c.req_id for c in cached if c.resumed),
-        )
-        steps.append(dataclasses.replace(sched, cached_requests=columns))
+        steps.append(in_columns(from_vllm(copy.deepcopy(rec.sched))))
     return steps
 
 
