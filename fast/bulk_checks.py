@@ -29,8 +29,9 @@ def lowest_starts(  # pragma: no cover - compiled
     unverified: np.ndarray,  # [R] int64 drafts of each row whose verdict is unread (PoolState.num_unverified_drafts)
 ) -> np.ndarray:
     """[n] int64 the lowest position each cached request's step may start from once the verdicts are in (async
-    rule 4, spec.async_steps.lowest_start): the count less the row's unverified drafts. The bulk planner takes no
-    resumed request, whose count no verdict moves."""
+    rule 4, spec.async_steps.lowest_start): the count less the row's unverified drafts. A resumed count is not
+    corrected, but a resumed request whose row has unverified drafts never reaches a commit from the bulk planner:
+    the pool's async mode leaves it to plan_step (rule 7, fast.step_modes.Ahead.vouch)."""
     out = np.empty(rows.shape[0], np.int64)
     for i in range(rows.shape[0]):
         out[i] = max(0, num_computed[i] - unverified[rows[i]])

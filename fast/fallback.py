@@ -24,8 +24,7 @@ class Fallback(enum.Enum):
     FEATURE_FIELDS = "a new request brings the fields of a feature the model lacks (check 1 refuses them)"
     CONTAINERS = "the output's containers or requests are not the plain dict, list, tuple, set and dataclasses"
     CACHED_REQUESTS = (
-        "a resumed request under async scheduling or without a whole table per group, or cached requests' fields of "
-        "types read one by one"
+        "a resumed request without a whole table per group, or cached requests' fields of types read one by one"
     )
     REQUEST_KEYS = "no request scheduled, or num_scheduled_tokens' ids and counts not plain str and int"
     DRAFTS = "drafts not a dict of plain int ids, out of the vocabulary, or of unscheduled requests"

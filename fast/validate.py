@@ -141,9 +141,8 @@ def plan_bulk_step(
         return Fallback.CACHED_REQUESTS
     cached_ids, computed_in, new_blocks, resumed = cached  # resumed: [n] bool, or EMPTY_MASK when none is
     n = len(cached_ids)
-    # a resumed request's ids replace its tables (checked as a new request's); under async scheduling rule 7 holds it
-    # to the tokens it held before its last record's drafts, which plan_step checks
-    if resumed.size and (config.async_scheduling or not whole_tables_given(new_blocks, resumed, len(config.kv_groups))):
+    # a resumed request's ids replace its tables (checked as a new request's)
+    if resumed.size and not whole_tables_given(new_blocks, resumed, len(config.kv_groups)):
         return Fallback.CACHED_REQUESTS
     keys = list(scheduled)
     counts_in = list(scheduled.values())

@@ -288,9 +288,9 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "fast-async-window-read-from-the-count-sent",
         "async rule 4, 9 BlockIdError: a window read from the lowest start a verdict gives (fast's bulk check)",
-        "fast/validate.py",
-        "lowest_starts(rows, num_computed, state.num_unverified_drafts) if config.async_scheduling else num_computed",
-        "num_computed",
+        "fast/bulk_checks.py",
+        "out[i] = max(0, num_computed[i] - unverified[rows[i]])",
+        "out[i] = num_computed[i]",
         (ASYNC,),
     ),
     Mutant(

@@ -112,9 +112,9 @@ def _drafting_async(seed: int, hybrid: bool) -> tuple[Any, WorkerConfig] | None:
     return dataclasses.replace(scenario, config=config, attention=None), config
 
 
-# what a valid step may still be left to plan_step for: a step without tokens or with a resumed request (shapes the
-# bulk planner does not read), or a check it makes stricter than spec's (a null placeholder appended, a block two
-# requests write at different offsets, a mamba state shared for reading)
+# what a valid step may still be left to plan_step for: a step without tokens, or a resumed request without a table
+# for every group (shapes the bulk planner does not read), or a check it makes stricter than spec's (a null
+# placeholder appended, a block two requests write at different offsets, a mamba state shared for reading)
 BY_DESIGN = {Fallback.REQUEST_KEYS, Fallback.CACHED_REQUESTS, Fallback.TABLES, Fallback.SHARED_BLOCK,
              Fallback.FEATURE_RULES}  # fmt: skip
 
@@ -134,7 +134,7 @@ def _drive(scenarios: Iterator[Any], watch: _Watch, runs: int = 6, steps: int = 
 def test_steps_before_a_verdict_are_planned_in_bulk_as_plan_step_plans_them(watch: _Watch, hybrid: bool) -> None:
     _drive((made[0] for seed in range(200) if (made := _drafting_async(seed, hybrid)) is not None), watch)
     assert watch.planned >= 20, (watch.planned, watch.refused)
-    assert set(watch.refused) <= BY_DESIGN, watch.refused
+    assert set(watch.refused) <= BY_DESIGN - {Fallback.CACHED_REQUESTS}, watch.refused  # resumptions too (rule 7)
 
 
 def test_encoder_decoder_steps_are_planned_in_bulk_as_plan_step_plans_them(watch: _Watch) -> None:
