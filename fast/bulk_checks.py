@@ -180,7 +180,7 @@ def _check_new_tables(  # pragma: no cover - compiled; tested through plan_bulk_
         table = ids[start : start + lengths[i]]
         start += lengths[i]
         first, last_block = num_computed[i] // block_size, last[i] // block_size
-        if not _table_holds(table, first, last_block, num_computed[i], num_blocks, max_blocks, block_size, window,
+        if not _table_holds(table, last_block, num_computed[i], num_blocks, max_blocks, block_size, window,
                             by_position):  # fmt: skip
             return False, written
         if not by_position:
@@ -194,7 +194,6 @@ def _check_new_tables(  # pragma: no cover - compiled; tested through plan_bulk_
 @njit(cache=True, nogil=True)
 def _table_holds(  # pragma: no cover - compiled
     table: np.ndarray,  # [k] int64 a whole table the step gives a request (new, or resumed)
-    first: int,  # the first block its tokens write: num_computed // block_size
     last_block: int,  # the last: its last position // block_size
     lowest: int,  # the lowest position its step may start from (its window's reads are checked from there)
     id_limit: int,  # ids must be < this (num_blocks, and int32 for the tables)
@@ -288,11 +287,12 @@ def _check_cached_group(  # pragma: no cover - compiled; tested through plan_bul
         first, last_block = num_computed[i] // block_size, last[i] // block_size
         if resumed.shape[0] and resumed[i]:  # a whole new table, as a new request's
             own = ids[start_of[i] : start_of[i] + added[i]]
-            if not _table_holds(own, first, last_block, lowest[i], id_limit, width, block_size, window, by_position):
+            if not _table_holds(own, last_block, lowest[i], id_limit, width, block_size, window, by_position):
                 return False
-            for block_index in range(first, last_block + 1 if by_position else first):
-                written[w] = own[block_index]
-                w += 1
+            if by_position:
+                for block_index in range(first, last_block + 1):
+                    written[w] = own[block_index]
+                    w += 1
             continue
         count = num_blocks[row]
         if count + added[i] > width or (by_position and last_block >= count + added[i]):

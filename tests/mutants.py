@@ -353,8 +353,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "fast-resumed-table-unchecked",
         "9-12: a resumed request's whole table checked as a new request's (fast's bulk check)",
         "fast/bulk_checks.py",
-        "if not _table_holds(own, first, last_block, lowest[i], id_limit, width, block_size, window, by_position):",
-        "if not _table_holds(own, first, first, lowest[i], id_limit, width, block_size, window, False):",
+        "if not _table_holds(own, last_block, lowest[i], id_limit, width, block_size, window, by_position):",
+        "if not _table_holds(own, first, lowest[i], id_limit, width, block_size, window, False):",
         (INVALID,),
     ),
     Mutant(
