@@ -5,8 +5,8 @@ The bulk planner (fast/validate.py) checks the cross group's tables as any group
 nothing of a table that holds the encoder's KV (FastFeature.own_tables). `plan_in_bulk` then adds what the
 cross group asks:
 - check 1 and 7 of the new requests' `encoder_len`: an int, 1 <= L <= max_encoder_len;
-- check 11: every scheduled request's table covers its L encoder tokens, and a table new this step (a new
-  request's) is filled by an encoder that runs now, at position 0 (no prefix cache for encoder output);
+- check 11: every scheduled request's table covers its L encoder tokens, and a table new this step (a new or a
+  resumed request's) is filled by an encoder that runs now, at position 0 (no prefix cache for encoder output);
 - check 13: no cross block written by two requests. A request whose step starts at 0 writes its encoder's
   slots, from offset 0 of its first cdiv(L, bs) blocks, so two requests writing one block write its first slot
   both: a block written twice is a slot written twice, and the check is exact per block.

@@ -8,10 +8,11 @@ never raises: where the output has a shape it does not model, or where a check f
 in spec's order or accepts the step. Both give the same spec.state.StepPlan, so a step accepted here is
 one plan_step accepts, with the same effect.
 
-A model-kind feature (spec/feature.py) is planned here when it says so (`Feature.plans_in_bulk`) and the
-step's new requests bring none of its fields: its part of the plan is then its `plan_in_bulk`'s
-(fast/feature.py), which checks the rules of any group it owns (mamba: fast/mamba_bulk.py). A feature
-without (cross-attention) leaves every step to plan_step.
+A model-kind feature (spec/feature.py) is planned here when it says so (`Feature.plans_in_bulk`): its part of
+the plan is its `plan_in_bulk`'s (fast/feature.py), which checks the rules of any group it owns (mamba:
+fast/mamba_bulk.py, cross-attention: fast/cross_bulk.py) and reads its fields of new requests where it says so
+(`reads_fields_in_bulk`); a step whose new requests bring any other feature's fields goes to plan_step. Every
+fast feature plans in bulk; a spec feature (a test's) that does not leaves every step to plan_step.
 
 Under async scheduling a continuing request whose last drafts' verdict is unread may start anywhere from its
 count less those drafts (rule 4): its window's reads, and with one block pool the ids it holds, are checked
