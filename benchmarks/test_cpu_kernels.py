@@ -252,3 +252,67 @@ def test_slot_mapping_vs_vllm(benchmark: Any, bench_budget: float, case: SlotCas
                 "compute_slot_mapping_kernel_impl")  # fmt: skip
     benchmark.extra_info["threads"] = threads
     _interleaved(benchmark, target, peer, bench_budget)
+
+
+SCALING_CASES = tuple(CASES_BY_NAME[name] for name in ("decode-64x1024", "decode-64x1024-bf16"))
+
+
+@pytest.mark.parametrize(
+    ("case", "provider"),
+    [pytest.param(c, p, id=f"{c.name}-{p}", marks=[pytest.mark.quick] if c.quick else [])
+     for c in SCALING_CASES for p in ("fast", "memory-stream")],
+)  # fmt: skip
+def test_thread_scaling(benchmark: Any, bench_budget: float, case: AttentionCase, provider: str) -> None:
+    """The same call at one thread (timed) and at two (the reference, run before each round), so the ratio the
+    target divides comes from one stretch of time: two separate benchmarks minutes apart read the second core's
+    share of a shared VM at two different moments.
+
+    `memory-stream` is torch's sum over a contiguous tensor of the bytes the case's attention reads, on the same
+    threads: the most a plain stream of those bytes gains from the second thread in the same stretch of time,
+    against which fast's scaling is read (a decode row is memory-bound once the cache is past the caches).
+    """
+    vllm_cpu.reason_unavailable()  # vLLM's ops and their OpenMP runtime first, as the `threads` fixture does
+    inputs = attention_inputs(case)
+    args = (inputs.query, inputs.key_cache, inputs.value_cache, inputs.block_table, inputs.seq_lens,
+            inputs.query_start_loc)  # fmt: skip
+    itemsize, (_, _, kv_heads, head_dim) = inputs.key_cache.element_size(), inputs.key_cache.shape
+    kv_bytes = 2 * sum(c + s for c, s in case.requests) * kv_heads * head_dim * itemsize  # K and V of every position
+    if provider == "fast":
+        out = torch.empty_like(inputs.query)
+        check_rows(inputs, fast.paged_attention(*args, **inputs.kwargs, out=out))  # type: ignore[arg-type]
+
+        def call() -> None:
+            fast.paged_attention(*args, **inputs.kwargs, out=out)  # type: ignore[arg-type]
+
+    else:
+        stream = torch.ones(kv_bytes // itemsize, dtype=case.dtype)
+        if float(stream[:4096].sum()) != 4096.0:
+            raise AssertionError("memory-stream: the sum of ones is not their count")
+
+        def call() -> None:
+            stream.sum()
+
+    before, two_thread_times = torch.get_num_threads(), []
+    timer = benchmark._timer
+
+    def setup() -> tuple[Any, ...]:
+        torch.set_num_threads(2)
+        time.sleep(SETTLE_S)
+        start = timer()
+        call()
+        two_thread_times.append(timer() - start)
+        torch.set_num_threads(1)
+        time.sleep(SETTLE_S)
+        return ()
+
+    record(benchmark, "thread_scaling", Workload(case.name, len(case.requests)), provider, nbytes=kv_bytes,
+           reference=f"{provider} at 2 threads",
+           what="one call at one thread (timed), the same call at two threads before each round; memory-stream: "
+                "torch's sum over a contiguous tensor of the bytes the attention reads")  # fmt: skip
+    benchmark.extra_info["threads"] = 1
+    try:
+        run_stateful(benchmark, lambda: call(), setup, bench_budget)
+    finally:
+        torch.set_num_threads(before)
+    if two_thread_times:
+        benchmark.extra_info["reference_median"] = float(np.median(two_thread_times[1:] or two_thread_times))
