@@ -186,6 +186,29 @@ def _same_batch(fast_batch: Any, spec_batch: Any) -> None:
             raise AssertionError(f"fast's slot_mappings[{g}] differs from spec's")
 
 
+def _alone(
+    timer: Any, vllm_replay: _VllmReplay, fast_replay: _PoolReplay, records: list[StepRecord], num_steps: int
+) -> dict[str, list[float]]:
+    """vLLM's and fast's step times over whole passes of their own, passes alternating: no other party's step between
+    two of a party's, so its code and data stay in the caches. The first pass of each is a warm-up. Returned with
+    `warmup` leading entries, as the interleaved times."""
+    times: dict[str, list[float]] = {"vllm-alone": [], "fast-alone": []}
+    for _ in range(1 + REPLAYS):
+        outs = vllm_replay.reset()
+        for i, out in enumerate(outs):
+            start = timer()
+            vllm_replay.step(out)
+            times["vllm-alone"].append(timer() - start)
+            vllm_replay.record_sampled(records[i].sampled)
+        fast_replay.reset()
+        for i in range(num_steps):
+            start = timer()
+            fast_replay.step(i)
+            times["fast-alone"].append(timer() - start)
+            fast_replay.record_sampled(i)
+    return times
+
+
 @pytest.mark.parametrize("workload", WORKLOADS, ids=[w.name for w in WORKLOADS])
 def test_vllm_prep_interleaved(benchmark: Any, workload: LiveWorkload) -> None:
     """fast's apply + prepare per step, with vLLM's _update_states + _prepare_inputs and spec's apply + prepare
@@ -242,6 +265,8 @@ def test_vllm_prep_interleaved(benchmark: Any, workload: LiveWorkload) -> None:
         benchmark.pedantic(fast_replay.step, setup=setup, rounds=len(steps) * REPLAYS, warmup_rounds=warmup)
         fast_times = [float(t) for t in benchmark.stats.stats.data] if benchmark.stats else []
         record_fallbacks(benchmark, fast_replay.pool)  # the last pass's steps (each pass starts a fresh pool)
+        if not benchmark.disabled:  # each party alone: what the interleaving itself costs each of them
+            times |= _alone(timer, vllm_replay, fast_replay, records, len(steps))
         times = {name: values[warmup:] for name, values in times.items()}
         for name, values in (*times.items(), ("fast", fast_times)):
             if values:
@@ -253,3 +278,6 @@ def test_vllm_prep_interleaved(benchmark: Any, workload: LiveWorkload) -> None:
             benchmark.extra_info["spec_over_vllm_median"] = float(np.median(times["spec"]) / vllm_median)
             benchmark.extra_info["fast_over_vllm_mean"] = float(np.mean(fast_times) / vllm_mean)
             benchmark.extra_info["spec_over_vllm_mean"] = float(np.mean(times["spec"]) / vllm_mean)
+        if times.get("vllm-alone") and times.get("fast-alone"):
+            alone = float(np.median(times["fast-alone"]) / np.median(times["vllm-alone"]))
+            benchmark.extra_info["fast_over_vllm_alone_median"] = alone

@@ -266,6 +266,29 @@ def test_both_forms_of_an_interleaved_benchmark_give_a_row_per_provider() -> Non
     assert {r.reference_median for r in got} == {3e-4, 2.5e-3}
 
 
+def test_a_party_timed_alone_divides_by_the_reference_timed_alone(tmp_path: Path) -> None:
+    from slotmap.bench.page import render
+
+    results = tmp_path / "testbox.json"
+    _fake_results(results)
+    data = json.loads(results.read_text())
+    live = {"stage": "vllm_prep", "workload": "plain", "provider": "fast", "reference": "vllm", "num_requests": 48,
+            "num_steps": 68, "fast_median": 6e-5, "spec_median": 6e-4, "vllm_median": 1.6e-4,
+            "fast-alone_median": 4e-5, "vllm-alone_median": 1e-4, "fast_over_vllm_alone_median": 0.4}  # fmt: skip
+    data["benchmarks"].append({"extra_info": live, "stats": {"rounds": 9, "median": 6e-5}})
+    results.write_text(json.dumps(data))
+    page = tmp_path / "performance.md"
+    render([results], page, tmp_path / "img")
+    section = page.read_text().split("### vllm_prep")[1].split("###")[0]
+    relative = section.split("Time relative to")[1]
+    lines = relative.splitlines()
+    header, plain = (next(line for line in lines if line.startswith(start)) for start in ("| workload", "| plain"))
+    cells = {k.strip(): v.strip() for k, v in zip(header.split("|")[2:-1], plain.split("|")[2:-1], strict=True)}
+    assert cells == {"fast": "0.38×", "fast-alone": "0.40×", "spec": "3.75×"}
+    targets = page.read_text().split("### Targets")[1].split("###")[0]
+    assert "| vLLM prep, plain: fast / vLLM's own (interleaved) | 0.38× | ≤ 0.25× | **not met** |" in targets
+
+
 def test_fallbacks_recorded_since_a_warm_up_count_only_the_steps_after_it() -> None:
     import collections
     import types

@@ -35,7 +35,9 @@ STAGES = (  # (stage, what it times, the provider every ratio divides by); stage
     (
         "vllm_prep",
         "apply + prepare per live vLLM step (reqs: requests, tokens: steps replayed) against vLLM's own "
-        "_update_states + _prepare_inputs of the same step, in alternating rounds (benchmarks/test_vllm_prep.py)",
+        "_update_states + _prepare_inputs of the same step, in alternating rounds (benchmarks/test_vllm_prep.py); "
+        "`-alone`: the same party over whole passes of its own, no other party's step between two of its steps, "
+        "its ratio divided by `vllm-alone`",
         "vllm",
     ),
 )

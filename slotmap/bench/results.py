@@ -111,10 +111,14 @@ def console_table(title: str, header: Sequence[str], align: str, body: Iterable[
     return table
 
 
+TWIN_SUFFIXES = ("-cuda", "-alone")  # a CUDA provider; a party timed over passes of its own (test_vllm_prep)
+
+
 def reference_for(base: str, provider: str, present: set[str]) -> str | None:
-    """The provider a ratio of `provider` divides by: `base`, or its CUDA twin for a CUDA provider."""
-    if provider.endswith("-cuda") and f"{base}-cuda" in present:
-        return f"{base}-cuda"
+    """The provider a ratio of `provider` divides by: `base`, or its twin of the same suffix (`TWIN_SUFFIXES`)."""
+    for suffix in TWIN_SUFFIXES:
+        if provider.endswith(suffix) and f"{base}{suffix}" in present:
+            return f"{base}{suffix}"
     return base if base in present else None
 
 

