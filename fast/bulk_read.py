@@ -48,8 +48,8 @@ def read_drafts(
     lengths, ids = joined
     if not ids.size:  # every request lists no drafts: a step without drafts
         return (None, NO_TOKENS) if set(draft_keys) <= set(keys) else None
-    if draft_keys == keys:  # every scheduled request drafts, in the scheduler's order
-        at = np.arange(len(keys), dtype=np.int64)
+    if draft_keys == keys[: len(draft_keys)]:  # the first requests draft, in the scheduler's order (vLLM's running
+        at = np.arange(len(draft_keys), dtype=np.int64)  # requests come before the new ones; often all of them)
     else:
         index = scheduler_index(keys)
         try:
@@ -311,8 +311,8 @@ def joined_ids(
     if not long and not set(map(type, entries)) - {tuple, list}:
         lengths = np.fromiter(map(len, entries), np.int64, len(entries))
         dtype = np.int32 if typecode == "i" else np.int64
-        try:
-            ids = np.frombuffer(array(typecode, chain.from_iterable(entries)), dtype)
+        try:  # array() presizes from a list, where from an iterator it grows element by element (1.5x the time)
+            ids = np.frombuffer(array(typecode, list(chain.from_iterable(entries))), dtype)
         except (TypeError, OverflowError):
             return None
         return lengths, ids

@@ -768,6 +768,14 @@ MUTANTS: tuple[Mutant, ...] = (
         (MAMBA,),
     ),
     Mutant(
+        "fast-drafts-of-later-requests-read-as-the-first",
+        "drafts: each request's drafts are its own (in the scheduler's order only when the first requests draft)",
+        "fast/bulk_read.py",
+        "    if draft_keys == keys[: len(draft_keys)]:",
+        "    if len(draft_keys) <= len(keys):",
+        ("conformance/test_drafts.py", "tests/test_fast_validate.py"),
+    ),
+    Mutant(
         "columns-resumed-ids-of-any-container",
         "check 1: the columns' resumed_req_ids is a set (an empty tuple reads as no resumptions)",
         "fast/bulk_read.py",
