@@ -307,8 +307,8 @@ def joined_ids(
 
     Lists and tuples go into one array through `fromlist`, which sizes itself from a list where array() and
     extend() over an iterator grow element by element: short sequences (appended block ids, drafts) chained into
-    one list first, `long` ones (prompts) one list each, which saves copying them. Anything else (arrays) one
-    `_ids` each.
+    one list first, `long` ones (prompts) one call each (a tuple copied into a list), with no concatenation after.
+    Anything else (arrays) one `_ids` each.
     """
     if not set(map(type, entries)) - {tuple, list}:
         lengths = np.fromiter(map(len, entries), np.int64, len(entries))
