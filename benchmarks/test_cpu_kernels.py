@@ -311,7 +311,7 @@ def test_thread_scaling(benchmark: Any, bench_budget: float, case: AttentionCase
                 "torch's sum over a contiguous tensor of the bytes the attention reads")  # fmt: skip
     benchmark.extra_info["threads"] = 1
     try:
-        run_stateful(benchmark, lambda: call(), setup, bench_budget)
+        run_stateful(benchmark, call, setup, bench_budget)
     finally:
         torch.set_num_threads(before)
     if two_thread_times:
